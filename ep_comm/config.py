@@ -1,0 +1,139 @@
+"""``EPConfig``: the static description of one expert-parallel exchange."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+import numpy as np
+
+import collectives
+from topology import ExpertPlacement
+
+OVERFLOW_MODES = ("count", "raise")
+
+
+def _positive_int(owner: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+    """Static configuration of dispatch/combine over one expert-parallel mesh axis.
+
+    Attributes:
+      axis_name: the mesh axis (or tuple of axes) experts are sharded over.
+      num_ranks: size of that axis (the expert-parallel size).
+      num_experts: total routed experts; divisible by ``num_ranks``. Rank ``r`` holds experts
+        ``[r * E_local, (r + 1) * E_local)`` with ``E_local = num_experts // num_ranks``.
+      topk: experts per token.
+      tokens_per_rank: tokens each rank dispatches (``T``; the first dim of ``x``).
+      recv_capacity: rows of the per-rank expert buffer ``expert_x`` (one row per received
+        (token, local expert) pair). Default ``None`` is the worst case
+        ``num_ranks * tokens_per_rank * min(topk, E_local)``, so no pair can ever be dropped.
+        A smaller value saves memory; pairs that do not fit are dropped, **counted** in
+        ``EPHandle.num_dropped`` and reported by :func:`ep_comm.check` (or raised at run time with
+        ``overflow="raise"``).
+      backend: transport for the exchanges: ``"auto"``, ``"portable"`` or ``"xla"``
+        (see :func:`ep_comm.ragged_all_to_all`).
+      overflow: ``"count"`` (default: overflow is counted in the handle; call
+        :func:`ep_comm.check` on it) or ``"raise"`` (dispatch raises ``EPOverflowError`` at run time
+        when any pair is dropped or any expert id is out of range).
+      combine_dtype: dtype of the partial sums sent back by combine (default ``None``: the dtype
+        of ``expert_y``). ``"float32"`` makes bf16 combine exact up to one final rounding, at twice
+        the bytes.
+
+    Memory per rank (``H`` hidden size, ``b`` bytes per element of ``x``), see :meth:`buffer_bytes`:
+      send buffer ``S = T * min(topk, num_ranks)`` rows; token receive buffer
+      ``R = min(num_ranks * T, recv_capacity)`` rows; expert buffer ``recv_capacity`` rows;
+      total ``(S + R + recv_capacity) * H * b + R * topk * 8`` bytes (the last term: local expert
+      ids and weights received with each token).
+    """
+
+    axis_name: Hashable
+    num_ranks: int
+    num_experts: int
+    topk: int
+    tokens_per_rank: int
+    recv_capacity: int | None = None
+    backend: str = "auto"
+    overflow: str = "count"
+    combine_dtype: str | None = None
+
+    def __post_init__(self):
+        owner = "EPConfig"
+        if self.axis_name is None or (isinstance(self.axis_name, tuple) and not self.axis_name):
+            raise ValueError(f"{owner}: axis_name must name a mesh axis, got {self.axis_name!r}")
+        for name in ("num_ranks", "num_experts", "topk", "tokens_per_rank"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.num_experts % self.num_ranks:
+            raise ValueError(f"{owner}: num_experts={self.num_experts} must be divisible by "
+                             f"num_ranks={self.num_ranks}")
+        if self.topk > self.num_experts:
+            raise ValueError(f"{owner}: topk={self.topk} must be at most "
+                             f"num_experts={self.num_experts}")
+        if self.recv_capacity is not None:
+            _positive_int(owner, "recv_capacity", self.recv_capacity)
+        if self.backend not in collectives.BACKENDS:
+            raise ValueError(f"{owner}: backend must be one of {collectives.BACKENDS}, "
+                             f"got {self.backend!r}")
+        if self.overflow not in OVERFLOW_MODES:
+            raise ValueError(f"{owner}: overflow must be one of {OVERFLOW_MODES}, "
+                             f"got {self.overflow!r}")
+        if self.combine_dtype is not None:
+            try:
+                dt = np.dtype(self.combine_dtype)
+            except TypeError:
+                dt = None
+            if dt is None or dt.kind != "f":
+                raise ValueError(f"{owner}: combine_dtype must be None or a floating dtype name, "
+                                 f"got {self.combine_dtype!r}")
+            object.__setattr__(self, "combine_dtype", dt.name)
+
+    # Derived sizes -------------------------------------------------------------------------------
+    @property
+    def placement(self) -> ExpertPlacement:
+        return ExpertPlacement(self.num_experts, self.num_ranks)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def worst_case_rows(self) -> int:
+        """Most (token, local expert) pairs one rank can receive."""
+        return self.num_ranks * self.tokens_per_rank * min(self.topk, self.experts_per_rank)
+
+    @property
+    def expert_rows(self) -> int:
+        """Rows of ``expert_x`` (the expert buffer): ``recv_capacity`` or the worst case."""
+        return self.worst_case_rows if self.recv_capacity is None else self.recv_capacity
+
+    @property
+    def send_rows(self) -> int:
+        """Rows of the send buffer: each token goes at most once to each of ``min(topk, n)`` ranks."""
+        return self.tokens_per_rank * min(self.topk, self.num_ranks)
+
+    @property
+    def recv_token_rows(self) -> int:
+        """Rows of the token receive buffer (each received token needs at least one expert row)."""
+        return min(self.num_ranks * self.tokens_per_rank, self.expert_rows)
+
+    @property
+    def is_dropless(self) -> bool:
+        """True when no routing can overflow the buffers."""
+        return self.expert_rows >= self.worst_case_rows
+
+    def buffer_bytes(self, hidden: int, dtype) -> dict[str, int]:
+        """Bytes per rank of each buffer dispatch allocates for ``x`` of shape ``(T, hidden)``."""
+        _positive_int("EPConfig.buffer_bytes", "hidden", hidden)
+        b = np.dtype(dtype).itemsize
+        out = {
+            "send": self.send_rows * hidden * b,
+            "recv_tokens": self.recv_token_rows * hidden * b,
+            "expert_x": self.expert_rows * hidden * b,
+            "metadata": self.recv_token_rows * self.topk * 8,
+        }
+        out["total"] = sum(out.values())
+        return out

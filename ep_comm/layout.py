@@ -1,0 +1,84 @@
+"""``dispatch_layout``: who sends what where, from the router's top-k expert ids."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from topology import ExpertPlacement
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchLayout:
+    """Per-rank routing layout (DeepEP ``get_dispatch_layout`` semantics).
+
+    Attributes:
+      num_tokens_per_rank: ``(num_ranks,)`` int32; tokens that go to each rank (a token counts once
+        per rank however many of its experts that rank holds).
+      num_tokens_per_expert: ``(num_experts,)`` int32; (token, expert) pairs per expert.
+      is_token_in_rank: ``(T, num_ranks)`` bool; whether token ``t`` goes to rank ``r``.
+      num_pairs_per_rank: ``(num_ranks,)`` int32; (token, expert) pairs per destination rank.
+      num_invalid: ``()`` int32; ids outside ``[-1, num_experts)`` (they are not routed; dispatch
+        counts them in its handle and :func:`ep_comm.check` reports them).
+    """
+
+    num_tokens_per_rank: jax.Array
+    num_tokens_per_expert: jax.Array
+    is_token_in_rank: jax.Array
+    num_pairs_per_rank: jax.Array
+    num_invalid: jax.Array
+
+
+def check_topk_ids(api_name: str, topk_ids, tokens: int | None = None, topk: int | None = None):
+    """Validate a ``(T, topk)`` integer id array; return it as a jax array."""
+    topk_ids = jnp.asarray(topk_ids)
+    if not jnp.issubdtype(topk_ids.dtype, np.integer) or topk_ids.ndim != 2:
+        raise ValueError(f"{api_name}: topk_ids must be an integer array of shape (tokens, topk), "
+                         f"got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    want = (tokens if tokens is not None else topk_ids.shape[0],
+            topk if topk is not None else topk_ids.shape[1])
+    if tuple(topk_ids.shape) != want:
+        raise ValueError(f"{api_name}: topk_ids must have shape (tokens, topk) = {want}, "
+                         f"got {tuple(topk_ids.shape)}")
+    return topk_ids
+
+
+def routed(topk_ids, placement: ExpertPlacement):
+    """``(valid, dest_rank, local_expert)`` per (token, k); ``valid`` excludes -1 and bad ids."""
+    ids = topk_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < placement.num_experts)
+    dest = jnp.where(valid, placement.rank_of(ids), placement.num_ranks)
+    local = jnp.where(valid, placement.local_index(ids), -1)
+    return valid, dest, local
+
+
+def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLayout:
+    """Count, for one rank's tokens, how many go to each rank and expert.
+
+    Args:
+      topk_ids: ``(T, topk)`` integer expert ids; ``-1`` means "no expert" and is skipped.
+      num_experts: total experts, placed in contiguous blocks of ``num_experts // num_ranks``.
+      num_ranks: expert-parallel size.
+
+    Works anywhere (inside or outside ``shard_map``): it is local to the calling rank.
+    """
+    placement = ExpertPlacement(num_experts, num_ranks)
+    topk_ids = check_topk_ids("dispatch_layout", topk_ids)
+    valid, dest, _ = routed(topk_ids, placement)
+    ids = topk_ids.astype(jnp.int32)
+    invalid = (ids != -1) & ~valid
+    in_rank = jnp.any(dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32), axis=1)
+    per_expert = jnp.bincount(jnp.where(valid, ids, num_experts).reshape(-1),
+                              length=num_experts + 1)[:num_experts]
+    per_rank_pairs = jnp.bincount(dest.reshape(-1), length=num_ranks + 1)[:num_ranks]
+    return DispatchLayout(
+        num_tokens_per_rank=jnp.sum(in_rank, axis=0, dtype=jnp.int32),
+        num_tokens_per_expert=per_expert.astype(jnp.int32),
+        is_token_in_rank=in_rank,
+        num_pairs_per_rank=per_rank_pairs.astype(jnp.int32),
+        num_invalid=jnp.sum(invalid, dtype=jnp.int32),
+    )
