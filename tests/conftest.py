@@ -1,0 +1,91 @@
+"""Shared test set-up: one expert-parallel mesh over every device, single- or multi-process.
+
+Single process: ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` gives 8 CPU devices.
+Under ``mpirun -n N``: ``ep_comm.distributed.initialize`` joins the processes (gloo), each with
+``EP_COMM_CPU_DEVICES`` devices (default 2). Every test builds the same full numpy inputs on every
+process (seeds are agreed across processes), runs on the global mesh and compares the full results.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+import ep_comm
+
+_INFO = ep_comm.distributed.initialize(
+    local_device_count=(int(os.environ.get("EP_COMM_CPU_DEVICES", "2"))
+                        if ep_comm.distributed.launch_info().num_processes > 1 else None))
+
+import jax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+AXIS = "ep"
+
+
+def _base_seed() -> int:
+    if "EP_COMM_TEST_SEED" in os.environ:
+        return int(os.environ["EP_COMM_TEST_SEED"])
+    seed = int.from_bytes(os.urandom(4), "little")
+    if _INFO.num_processes > 1:
+        from mpi4py import MPI
+
+        seed = MPI.COMM_WORLD.bcast(seed, root=0)
+    return seed
+
+
+BASE_SEED = _base_seed()
+
+
+def pytest_report_header(config):
+    return (f"ep_comm: {jax.device_count()} devices ({jax.default_backend()}), "
+            f"process {_INFO.process_id}/{_INFO.num_processes} ({_INFO.launcher}); "
+            f"EP_COMM_TEST_SEED={BASE_SEED}")
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh per run (``EP_COMM_TEST_SEED`` reproduces a run), identical on every process."""
+    seed = (BASE_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**32
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    return jax.make_mesh((jax.device_count(),), (AXIS,),
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@pytest.fixture(scope="session")
+def n(mesh):
+    return mesh.shape[AXIS]
+
+
+class Sharded:
+    """Helpers to move full host arrays onto the mesh (split along rows) and back."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.rows = NamedSharding(mesh, P(AXIS))
+        self.replicated = NamedSharding(mesh, P())
+
+    def put(self, *arrays):
+        out = tuple(ep_comm.distributed.global_array(a, self.rows) for a in arrays)
+        return out if len(out) > 1 else out[0]
+
+    def put_replicated(self, a):
+        return ep_comm.distributed.global_array(a, self.replicated)
+
+    def get(self, tree):
+        return jax.tree.map(ep_comm.distributed.to_host, tree)
+
+    def smap(self, f, in_specs=P(AXIS), out_specs=P(AXIS)):
+        return jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+@pytest.fixture(scope="session")
+def sharded(mesh):
+    return Sharded(mesh)
