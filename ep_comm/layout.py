@@ -19,9 +19,12 @@ class DispatchLayout:
     Attributes:
       num_tokens_per_rank: ``(num_ranks,)`` int32; tokens that go to each rank (a token counts once
         per rank however many of its experts that rank holds).
-      num_tokens_per_expert: ``(num_experts,)`` int32; (token, expert) pairs per expert.
+      num_tokens_per_expert: ``(num_experts,)`` int32; tokens per expert (a token that lists the
+        same expert twice counts once: dispatch merges such duplicates into one expert row whose
+        output is weighted by the sum of their weights).
       is_token_in_rank: ``(T, num_ranks)`` bool; whether token ``t`` goes to rank ``r``.
-      num_pairs_per_rank: ``(num_ranks,)`` int32; (token, expert) pairs per destination rank.
+      num_pairs_per_rank: ``(num_ranks,)`` int32; distinct (token, expert) pairs per destination
+        rank: the expert rows that rank needs for this rank's tokens.
       num_invalid: ``()`` int32; ids outside ``[-1, num_experts)`` (they are not routed; dispatch
         counts them in its handle and :func:`ep_comm.check` reports them).
     """
@@ -45,6 +48,12 @@ def check_topk_ids(api_name: str, topk_ids, tokens: int | None = None, topk: int
         raise ValueError(f"{api_name}: topk_ids must have shape (tokens, topk) = {want}, "
                          f"got {tuple(topk_ids.shape)}")
     return topk_ids
+
+
+def repeats_earlier(ids):
+    """``(.., K)`` bool: True where the id also appears at an earlier k of the same row."""
+    same = ids[..., :, None] == ids[..., None, :]
+    return jnp.any(jnp.tril(same, k=-1), axis=-1)
 
 
 def routed(topk_ids, placement: ExpertPlacement):
@@ -72,9 +81,11 @@ def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLa
     ids = topk_ids.astype(jnp.int32)
     invalid = (ids != -1) & ~valid
     in_rank = jnp.any(dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32), axis=1)
-    per_expert = jnp.bincount(jnp.where(valid, ids, num_experts).reshape(-1),
+    distinct = valid & ~repeats_earlier(ids)
+    per_expert = jnp.bincount(jnp.where(distinct, ids, num_experts).reshape(-1),
                               length=num_experts + 1)[:num_experts]
-    per_rank_pairs = jnp.bincount(dest.reshape(-1), length=num_ranks + 1)[:num_ranks]
+    per_rank_pairs = jnp.bincount(jnp.where(distinct, dest, num_ranks).reshape(-1),
+                                  length=num_ranks + 1)[:num_ranks]
     return DispatchLayout(
         num_tokens_per_rank=jnp.sum(in_rank, axis=0, dtype=jnp.int32),
         num_tokens_per_expert=per_expert.astype(jnp.int32),

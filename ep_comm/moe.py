@@ -33,7 +33,7 @@ from jax.experimental import io_callback
 
 from ep_comm._compat import axis_size
 from ep_comm.config import EPConfig
-from ep_comm.layout import check_topk_ids, dispatch_layout, routed
+from ep_comm.layout import check_topk_ids, dispatch_layout, repeats_earlier, routed
 from ep_comm.ragged import ragged_all_to_all
 
 
@@ -237,15 +237,19 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     recv_ids = exchange(send_ids, -1)
     recv_w = exchange(send_w, 0)
 
-    # 4. expand into groups contiguous per local expert (stable: source rank, token, k).
-    key = jnp.where(recv_ids >= 0, recv_ids, L).reshape(-1)  # (R*K,)
+    # 4. expand into groups contiguous per local expert (stable: source rank, token, k). A token
+    # that lists one expert twice gets one row; both slots point at it (weights add up in combine).
+    has_expert = recv_ids >= 0
+    key = jnp.where(has_expert & ~repeats_earlier(recv_ids), recv_ids, L).reshape(-1)  # (R*K,)
     order = jnp.argsort(key, stable=True).astype(i32)
     per_expert = jnp.bincount(key, length=L + 1)[:L].astype(i32)
     num_pairs = jnp.sum(per_expert)
     group_sizes = jnp.clip(C - _exclusive_cumsum(per_expert), 0, per_expert)
     inverse = jnp.zeros((R * K,), i32).at[order].set(jnp.arange(R * K, dtype=i32),
                                                        unique_indices=True)
-    recv_pos = jnp.where((key < L) & (inverse < C), inverse, C).reshape(R, K)
+    pos_first = jnp.where((key < L) & (inverse < C), inverse, C).reshape(R, K)
+    first_slot = jnp.argmax(recv_ids[:, :, None] == recv_ids[:, None, :], axis=2)  # (R, K)
+    recv_pos = jnp.where(has_expert, jnp.take_along_axis(pos_first, first_slot, axis=1), C)
     q = jnp.arange(C, dtype=i32)
     used = q < jnp.minimum(num_pairs, C)
     expert_token = jnp.where(used, order[jnp.minimum(q, R * K - 1)] // K, R)

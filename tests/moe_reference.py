@@ -1,0 +1,77 @@
+"""Float64 numpy model of dispatch/combine (what ep_comm promises, written the slow, obvious way)
+and routing generators shared by the MoE tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def routing(rng, kind, n, T, K, E):
+    """Global ``(n*T, K)`` expert ids for a routing pattern; -1 means no expert."""
+    if kind == "random":  # distinct experts per token, like a real top-k router
+        ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K]
+    elif kind == "masked":
+        ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K]
+        ids[rng.random((n * T, K)) < 0.4] = -1
+    elif kind == "one_expert":  # every token to expert 0 (and nothing else)
+        ids = np.full((n * T, K), -1)
+        ids[:, 0] = 0
+    elif kind == "one_rank":  # every token's experts all on the last rank
+        L = E // n
+        ids = (n - 1) * L + rng.integers(0, L, (n * T, K))
+    elif kind == "empty_ranks":  # even ranks send nothing; nobody routes to odd ranks' experts
+        L = E // n
+        even_experts = np.concatenate([np.arange(r * L, (r + 1) * L) for r in range(0, n, 2)])
+        ids = rng.choice(even_experts, (n * T, K))
+        for r in range(0, n, 2):
+            ids[r * T:(r + 1) * T] = -1
+    else:
+        raise ValueError(kind)
+    return ids.astype(np.int32)
+
+
+class Reference:
+    """Receive-side layout of dispatch for global inputs; per-rank results."""
+
+    def __init__(self, ids, n, E, T, C, R):
+        K = ids.shape[1]
+        L = E // n
+        self.n, self.E, self.T, self.K, self.L, self.C = n, E, T, K, L, C
+        self.kept = np.zeros(ids.shape, bool)  # (token, k) pairs that reached an expert row
+        self.rows = []  # per rank: list of (token, k) for each expert_x row, grouped by local expert
+        self.group_sizes = np.zeros((n, L), np.int64)
+        self.dropped = np.zeros(n, np.int64)
+        valid = (ids >= 0) & (ids < E)
+        for d in range(n):
+            toks = [tok for tok in range(n * T) if np.any(valid[tok] & (ids[tok] // L == d))][:R]
+            # a token listing one expert twice needs one row (its weights add up in combine)
+            pairs = [(ids[tok, k] % L, i, k, tok) for i, tok in enumerate(toks) for k in range(K)
+                     if valid[tok, k] and ids[tok, k] // L == d and ids[tok, k] not in ids[tok, :k]]
+            pairs.sort()
+            placed = pairs[:C]
+            self.rows.append([(tok, k) for _, _, k, tok in placed])
+            for l, _, k, tok in placed:
+                self.group_sizes[d, l] += 1
+                self.kept[tok, ids[tok] == ids[tok, k]] = True
+            distinct = sum(len({e for e in ids[tok] if 0 <= e < E and e // L == d})
+                           for tok in range(n * T))
+            self.dropped[d] = distinct - len(placed)
+        self.invalid = np.sum((ids != -1) & ~valid)
+
+    def expert_x(self, x):
+        out = np.zeros((self.n, self.C, x.shape[1]), np.float64)
+        for d, rows in enumerate(self.rows):
+            for r, (tok, _) in enumerate(rows):
+                out[d, r] = x[tok]
+        return out
+
+    def combine(self, x, ids, w, W=None):
+        """``y[t] = sum_k kept * w[t, k] * expert(x[t])`` in float64; identity experts when
+        ``W`` is None, else ``x[t] @ W[expert]``."""
+        xs = np.asarray(x, np.float64)
+        y = 0.0
+        for k in range(self.K):
+            e = np.clip(ids[:, k], 0, self.E - 1)
+            v = xs if W is None else np.einsum("th,thf->tf", xs, np.asarray(W, np.float64)[e])
+            y = y + np.where(self.kept[:, k], np.asarray(w[:, k], np.float64), 0.0)[:, None] * v
+        return y
