@@ -53,19 +53,14 @@ def _coordinator_from_mpi(info: LaunchInfo) -> str:
     if comm.Get_size() != info.num_processes:
         raise RuntimeError(f"ep_comm.distributed: MPI reports {comm.Get_size()} processes but the "
                            f"launcher environment says {info.num_processes}")
+    single_host = len(set(comm.allgather(socket.gethostname()))) == 1
     address = None
     if comm.Get_rank() == 0:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        host = "127.0.0.1" if _single_host(comm) else socket.gethostname()
-        address = f"{host}:{port}"
+        address = f"{'127.0.0.1' if single_host else socket.gethostname()}:{port}"
     return comm.bcast(address, root=0)
-
-
-def _single_host(comm) -> bool:
-    names = comm.gather(socket.gethostname(), root=0)
-    return names is not None and len(set(names)) == 1
 
 
 def initialize(local_device_count: int | None = None, coordinator_address: str | None = None,
