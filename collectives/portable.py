@@ -12,8 +12,8 @@ XLA:CPU has no ``ragged-all-to-all``. This transport carries the same semantics 
    starts) and takes its row from the received slots; rows no segment covers keep ``output``.
 
 The slot size is ``S = min(operand rows, output rows)``: no segment can be longer without reading past
-the operand or writing past the receiver's output, so nothing a well-formed call sends is lost. The
-price is padding: every call moves ``K * S`` rows per rank whatever the real sizes are.
+the operand or writing past the receiver's output, so nothing a well-formed call sends is lost
+(callers that know a tighter static bound pass ``max_segment_rows``). The price is padding: every call moves ``K * S`` rows per rank whatever the real sizes are.
 :func:`wire_rows` reports that number so benchmarks can state the overhead.
 
 Everything is plain ``lax`` (gathers, selects, ``all_to_all``), so ``jit``, ``grad`` (both operands),
@@ -28,14 +28,16 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def slot_rows(operand_rows: int, output_rows: int) -> int:
+def slot_rows(operand_rows: int, output_rows: int, max_segment_rows: int | None = None) -> int:
     """Rows per segment slot of the padded exchange."""
-    return min(operand_rows, output_rows)
+    rows = min(operand_rows, output_rows)
+    return rows if max_segment_rows is None else min(rows, max_segment_rows)
 
 
-def wire_rows(operand_rows: int, output_rows: int, num_segments: int) -> int:
+def wire_rows(operand_rows: int, output_rows: int, num_segments: int,
+              max_segment_rows: int | None = None) -> int:
     """Rows each rank puts on the wire for one call (the padded volume, sent and received alike)."""
-    return num_segments * slot_rows(operand_rows, output_rows)
+    return num_segments * slot_rows(operand_rows, output_rows, max_segment_rows)
 
 
 def _broadcast_rows(mask, like):
@@ -44,11 +46,16 @@ def _broadcast_rows(mask, like):
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                      axis_name, axis_index_groups=None):
-    """``lax.ragged_all_to_all`` semantics over ``lax.all_to_all``; arguments already validated."""
+                      axis_name, axis_index_groups=None, max_segment_rows=None):
+    """``lax.ragged_all_to_all`` semantics over ``lax.all_to_all``; arguments already validated.
+
+    ``max_segment_rows``: a static bound on every segment's size that the caller guarantees (e.g.
+    dispatch: a rank sends each token at most once to a peer, so at most ``T`` rows); it shrinks
+    the slots and so the padding. Rows of a segment past the bound are not sent.
+    """
     num_segments = input_offsets.shape[0]
     n_rows_in, n_rows_out = operand.shape[0], output.shape[0]
-    slot = slot_rows(n_rows_in, n_rows_out)
+    slot = slot_rows(n_rows_in, n_rows_out, max_segment_rows)
     if slot == 0:
         return output
     i32 = jnp.int32

@@ -10,8 +10,12 @@ from jax import lax
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                      axis_name, axis_index_groups=None):
-    """Thin pass-through to ``lax.ragged_all_to_all``; arguments already validated."""
+                      axis_name, axis_index_groups=None, max_segment_rows=None):
+    """Thin pass-through to ``lax.ragged_all_to_all``; arguments already validated.
+
+    ``max_segment_rows`` is accepted for a uniform transport signature; exact-size transports
+    do not need it."""
+    del max_segment_rows
     return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                  recv_sizes, axis_name=axis_name,
                                  axis_index_groups=axis_index_groups)

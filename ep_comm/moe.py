@@ -34,7 +34,7 @@ from jax.experimental import io_callback
 from ep_comm._compat import axis_size
 from ep_comm.config import EPConfig
 from ep_comm.layout import check_topk_ids, dispatch_layout, repeats_earlier, routed
-from ep_comm.ragged import ragged_all_to_all
+from ep_comm.ragged import _ragged_all_to_all
 
 
 class EPOverflowError(RuntimeError):
@@ -229,9 +229,9 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
 
     def exchange(operand, fill):
         out = jnp.full((R, *operand.shape[1:]), fill, operand.dtype)
-        return ragged_all_to_all(operand, out, send_offsets[me], recv_counts[me],
-                                 recv_offsets[me], recv_counts[:, me], axis_name=ax,
-                                 backend=cfg.backend)
+        return _ragged_all_to_all(operand, out, send_offsets[me], recv_counts[me],
+                                  recv_offsets[me], recv_counts[:, me], axis_name=ax,
+                                  backend=cfg.backend, max_segment_rows=T)
 
     recv_x = exchange(send_x, 0)
     recv_ids = exchange(send_ids, -1)
@@ -323,10 +323,11 @@ def combine(expert_y, handle: EPHandle):
         partial = term if partial is None else partial + term
 
     # Reverse exchange: one partial sum per (token, rank) goes back to the source's send row.
-    back = ragged_all_to_all(
+    back = _ragged_all_to_all(
         partial.astype(wire), jnp.zeros((cfg.send_rows, expert_y.shape[1]), wire),
         handle.recv_offsets[:, me], handle.recv_counts[:, me], handle.send_offsets[:, me],
-        handle.recv_counts[me], axis_name=ax, backend=cfg.backend)
+        handle.recv_counts[me], axis_name=ax, backend=cfg.backend,
+        max_segment_rows=cfg.tokens_per_rank)
 
     # Source: sum the partials of each token's ranks (float32, in order of first choice).
     y = None

@@ -76,6 +76,17 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     Returns:
       ``(M, ...)`` array: ``output`` with the received segments written in.
     """
+    return _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                              recv_sizes, axis_name=axis_name, axis_index_groups=axis_index_groups,
+                              backend=backend)
+
+
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                       axis_name, axis_index_groups=None, backend="auto",
+                       max_segment_rows: int | None = None):
+    """:func:`ragged_all_to_all` plus ``max_segment_rows``: a static bound on every
+    ``send_sizes`` entry that the caller (dispatch, combine) guarantees; the portable transport
+    sizes its slots with it."""
     operand = jnp.asarray(operand)
     output = jnp.asarray(output)
     for name, x in (("input_offsets", input_offsets), ("send_sizes", send_sizes),
@@ -107,4 +118,5 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
                          f"{' groups' if groups else ''})")
     return transport(operand, output, jnp.asarray(input_offsets), jnp.asarray(send_sizes),
                      jnp.asarray(output_offsets), jnp.asarray(recv_sizes), axis_name=axis_name,
-                     axis_index_groups=[list(g) for g in groups] if groups else None)
+                     axis_index_groups=[list(g) for g in groups] if groups else None,
+                     max_segment_rows=max_segment_rows)

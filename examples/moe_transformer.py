@@ -133,7 +133,7 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, batch: int, seed: int = 0, lr: float = 3e-3):
         self.cfg, self.batch = cfg, batch
         self.mesh = jax.make_mesh((jax.device_count(),), ("ep",),
-                                  axis_types=(jax.sharding.AxisType.Explicit,))
+                                  axis_types=(jax.sharding.AxisType.Auto,))
         n = self.mesh.shape["ep"]
         if batch % n:
             raise ValueError(f"batch={batch} must be divisible by the {n} devices")
@@ -184,9 +184,8 @@ class Trainer:
         ep = ep_comm.distributed.to_host(self.logits(self.params, self.put_tokens(toks)))
         dense_fn = jax.jit(functools.partial(forward, cfg=self.cfg,
                                              moe=functools.partial(moe_dense, cfg=self.cfg)))
-        with jax.sharding.use_mesh(jax.make_mesh((1,), ("one",), devices=jax.local_devices()[:1])):
-            dense = np.asarray(dense_fn(jax.device_put(self.host_params, jax.local_devices()[0]),
-                                        jax.device_put(toks, jax.local_devices()[0])))
+        dev = jax.local_devices()[0]
+        dense = np.asarray(dense_fn(jax.device_put(self.host_params, dev), jax.device_put(toks, dev)))
         return float(np.abs(ep - dense).max()), float(np.abs(dense).max())
 
     def train(self, steps: int, log_every: int = 20, log=print):

@@ -1,0 +1,233 @@
+"""Benchmark dispatch + combine, nccl-tests style: ``python -m ep_comm.bench``.
+
+Compares, side by side in one run and on the same routing:
+
+- ``ep_comm/<backend>``: dropless dispatch/combine for every transport available here;
+- ``capacity cf=1.0`` / ``cf=1.25``: the classic capacity-based exchange (GShard / Switch style: a
+  fixed ``ceil(cf * T * topk / E)`` slots per expert and source rank, a dense ``lax.all_to_all`` of
+  ``(E, capacity, H)``, overflowing tokens dropped).
+
+For each: median time over ``--iters`` runs after ``--warmup``; ``algbw`` = the bottleneck rank's
+payload bytes (tokens it must send, self included, times ``H`` times the element size) / time and
+``busbw = algbw * (n - 1) / n`` (nccl-tests' all-to-all convention); ``#wrong`` output elements
+against a float64 reference of the round trip with identity experts; ``dropped`` (token, expert)
+pairs; ``wire`` bytes each rank actually puts on the wire (the portable transport pads every
+per-peer slot to a static size; ``pad`` is wire / payload); ``buffers`` = receive-side memory per
+rank. Results go to stdout and, with ``--json``, to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import collectives
+import ep_comm
+from collectives import portable
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    tokens_per_rank: int
+    hidden: int
+    topk: int
+    num_experts: int
+    dtype: str
+    routing: str
+
+
+def make_routing(rng, kind: str, n_tokens: int, topk: int, num_experts: int) -> np.ndarray:
+    """Distinct top-k ids per token. ``uniform``: every expert equally likely; ``skewed``: expert
+    popularity falls off as ``1 / (e + 1)^0.8`` (a router that has not learned to balance)."""
+    logits = rng.gumbel(size=(n_tokens, num_experts))
+    if kind == "skewed":
+        logits = logits - 0.8 * np.log1p(np.arange(num_experts))[None, :]
+    elif kind != "uniform":
+        raise ValueError(f"bench: routing must be 'uniform' or 'skewed', got {kind!r}")
+    return np.argsort(-logits, axis=1)[:, :topk].astype(np.int32)
+
+
+# ---- the classic capacity-based exchange (the baseline) -------------------------------------------
+
+def capacity_slots(cf: float, tokens: int, topk: int, num_experts: int) -> int:
+    return max(1, math.ceil(cf * tokens * topk / num_experts))
+
+
+def capacity_round_trip(x, ids, w, *, axis_name: str, num_experts: int, cap: int):
+    """Dispatch into ``(E, cap, H)`` slots, ``all_to_all``, identity experts, ``all_to_all`` back,
+    weighted sum. Returns ``(y, dropped pairs on this rank)``."""
+    T, K = ids.shape
+    onehot = jax.nn.one_hot(ids.reshape(-1), num_experts, dtype=jnp.int32)  # (T*K, E)
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # slot within its expert
+    keep = pos < cap
+    flat_slot = jnp.where(keep, ids.reshape(-1) * cap + pos, num_experts * cap)
+    buf = jnp.zeros((num_experts * cap, x.shape[1]), x.dtype).at[flat_slot].set(
+        jnp.repeat(x, K, axis=0), mode="drop")
+    buf = buf.reshape(num_experts, cap, -1)
+    recv = lax.all_to_all(buf, axis_name, 0, 0, tiled=True)  # (E, cap, H): [src, local expert]
+    expert_out = recv  # identity experts
+    back = lax.all_to_all(expert_out, axis_name, 0, 0, tiled=True).reshape(num_experts * cap, -1)
+    got = jnp.take(back, jnp.minimum(flat_slot, num_experts * cap - 1), axis=0)
+    got = jnp.where(keep[:, None], got.astype(jnp.float32), 0.0).reshape(T, K, -1)
+    y = jnp.sum(got * w[:, :, None], axis=1).astype(x.dtype)
+    return y, jnp.sum(~keep, dtype=jnp.int32)[None]
+
+
+# ---- measurement ------------------------------------------------------------------------------------
+
+def _median_us(fn, args, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+def hardware() -> str:
+    dev = jax.devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{jax.device_count()} x {dev.device_kind} ({dev.platform}), "
+            f"{jax.process_count()} process(es); host CPU: {cpu}; jax {jax.__version__}")
+
+
+def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
+        capacity_factors=(1.0, 1.25), backends=None):
+    mesh = jax.make_mesh((jax.device_count(),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    n = mesh.shape["ep"]
+    T, H, K, E = bc.tokens_per_rank, bc.hidden, bc.topk, bc.num_experts
+    dtype = jnp.dtype(bc.dtype)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n * T, H)).astype(dtype)
+    ids = make_routing(rng, bc.routing, n * T, K, E)
+    w = rng.random((n * T, K)).astype(np.float32)
+    ref = (w.sum(1, keepdims=True) * x.astype(np.float64))
+    tol = 1e-5 if dtype == jnp.float32 else 2 ** -7 * (1 + min(K, n))
+    rows = NamedSharding(mesh, P("ep"))
+    put = lambda a: ep_comm.distributed.global_array(a, rows)
+    xs, idss, ws = put(x), put(ids), put(w)
+    itemsize = dtype.itemsize
+    L = E // n
+
+    # Payload: tokens each rank must send (one row per destination rank), self included.
+    dest = ids // L
+    sends = np.array([[np.sum((dest[s * T:(s + 1) * T] == d).any(1)) for d in range(n)]
+                      for s in range(n)])
+    payload = int(max(sends.sum(1).max(), sends.sum(0).max())) * H * itemsize
+
+    def wrong(y):
+        y = ep_comm.distributed.to_host(y).astype(np.float64)
+        return int(np.sum(np.abs(y - ref) > tol * (1 + np.abs(ref))))
+
+    results = []
+    smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    avail = collectives.available()
+    for backend in backends or [b for b in ("portable", "xla") if avail[b] is None]:
+        cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
+                               backend=backend)
+        disp = smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg))
+        comb = smap(lambda ex, h: ep_comm.combine(ex, h))
+        ex, h = disp(xs, idss, ws)
+        y = comb(ex, h)
+        t_d = _median_us(disp, (xs, idss, ws), warmup, iters)
+        t_c = _median_us(comb, (ex, h), warmup, iters)
+        if backend == "portable":  # every exchange moves n slots of at most T rows
+            rows_d = portable.wire_rows(cfg.send_rows, cfg.recv_token_rows, n, T)
+            wire = rows_d * (H * itemsize + K * 8)
+            wire_c = rows_d * H * itemsize
+        else:
+            wire = int(sends.sum(1).max()) * (H * itemsize + K * 8)
+            wire_c = int(sends.sum(0).max()) * H * itemsize
+        common = dict(impl=f"ep_comm/{backend}", wrong=wrong(y),
+                      dropped=int(ep_comm.distributed.to_host(h.num_dropped).sum()),
+                      buffers=cfg.buffer_bytes(H, dtype)["total"])
+        results.append(dict(phase="dispatch", time_us=t_d, wire=wire, **common))
+        results.append(dict(phase="combine", time_us=t_c, wire=wire_c, **common))
+    for cf in capacity_factors:
+        cap = capacity_slots(cf, T, K, E)
+        fn = smap(lambda x, i, w: capacity_round_trip(x, i, w, axis_name="ep", num_experts=E,
+                                                      cap=cap))
+        y, dropped = fn(xs, idss, ws)
+        t = _median_us(fn, (xs, idss, ws), warmup, iters)
+        results.append(dict(impl=f"capacity cf={cf}", phase="round trip", time_us=t,
+                            wire=2 * E * cap * H * itemsize, wrong=wrong(y),
+                            dropped=int(ep_comm.distributed.to_host(dropped).sum()),
+                            buffers=2 * E * cap * H * itemsize))
+    for r in results:
+        moves = 2 if r["phase"] == "round trip" else 1
+        r["payload"] = payload * moves
+        r["algbw_GBps"] = r["payload"] / (r["time_us"] * 1e3)
+        r["busbw_GBps"] = r["algbw_GBps"] * (n - 1) / n
+        r["pad"] = r["wire"] / r["payload"]
+    return dict(config=dataclasses.asdict(bc), ranks=n, hardware=hardware(), warmup=warmup,
+                iters=iters, results=results)
+
+
+def table(report) -> str:
+    c = report["config"]
+    head = (f"# ep_comm bench: {report['ranks']} ranks, {c['tokens_per_rank']} tokens/rank, hidden "
+            f"{c['hidden']}, top-{c['topk']} of {c['num_experts']} experts, {c['dtype']}, "
+            f"{c['routing']} routing\n# {report['hardware']}\n"
+            f"# median of {report['iters']} after {report['warmup']} warm-up; payload = bottleneck "
+            f"rank's token bytes; wire = bytes each rank sends; buffers = receive memory per rank\n")
+    cols = f"{'impl':<18}{'phase':<12}{'time(us)':>11}{'algbw':>8}{'busbw':>8}{'#wrong':>8}" \
+           f"{'dropped':>9}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}"
+    lines = [head + cols]
+    for r in report["results"]:
+        lines.append(f"{r['impl']:<18}{r['phase']:<12}{r['time_us']:>11.1f}{r['algbw_GBps']:>8.2f}"
+                     f"{r['busbw_GBps']:>8.2f}{r['wrong']:>8d}{r['dropped']:>9d}"
+                     f"{r['payload'] / 2**20:>9.2f}MB{r['wire'] / 2**20:>9.2f}MB{r['pad']:>6.2f}"
+                     f"{r['buffers'] / 2**20:>9.2f}MB")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="ep_comm dispatch/combine benchmark (nccl-tests style)")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts (default: 32 per rank, as DeepSeek-V3 on 8 GPUs)")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--routing", default="uniform,skewed")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
+    ap.add_argument("--json", default=None, help="write the results to this file")
+    args = ap.parse_args(argv)
+    ep_comm.distributed.initialize(local_device_count=args.devices)
+    n = jax.device_count()
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    reports = []
+    for routing in args.routing.split(","):
+        bc = BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n, dtype,
+                         routing)
+        rep = run(bc, args.warmup, args.iters)
+        reports.append(rep)
+        if jax.process_index() == 0:
+            print(table(rep), flush=True)
+    if args.json and jax.process_index() == 0:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+    return reports
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The example model trains through ep_comm and the benchmark's numbers are self-consistent."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import pytest
+
+from ep_comm import bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import moe_transformer  # noqa: E402
+
+
+def test_example_matches_dense_at_step_0_and_learns(n):
+    cfg = moe_transformer.ModelConfig(layers=1, num_experts=2 * n, dim=32, ffn=64, seq=8)
+    trainer = moe_transformer.Trainer(cfg, batch=2 * n, seed=1)
+    err, scale = trainer.check_against_dense(trainer.sample())
+    assert err <= 1e-5 * max(1.0, scale), (err, scale)
+    losses = trainer.train(80, log=None)
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_example_rejects_indivisible_batch(n):
+    if n == 1:
+        pytest.skip("every batch divides one device")
+    with pytest.raises(ValueError, match=f"batch={n + 1} must be divisible by the {n} devices"):
+        moe_transformer.Trainer(moe_transformer.ModelConfig(num_experts=2 * n), batch=n + 1)
+
+
+def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
+    bc = bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=4 * n,
+                           dtype="float32", routing="skewed")
+    report = bench.run(bc, warmup=1, iters=2)
+    rows = {(r["impl"], r["phase"]): r for r in report["results"]}
+    for phase in ("dispatch", "combine"):
+        r = rows[("ep_comm/portable", phase)]
+        assert r["wrong"] == 0 and r["dropped"] == 0
+        assert r["time_us"] > 0 and r["pad"] >= 1.0
+    cap = rows[("capacity cf=1.0", "round trip")]
+    assert cap["dropped"] > 0 and cap["wrong"] > 0  # skewed routing overflows a fixed capacity
+    text = bench.table(report)
+    assert "ep_comm/portable" in text and "capacity cf=1.25" in text
+    assert report["hardware"].startswith(f"{jax.device_count()} x ")
