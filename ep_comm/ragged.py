@@ -70,8 +70,9 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       axis_name: mesh axis name (or tuple of names) to exchange over.
       axis_index_groups: optional partition of the axis indices into equal-size groups; the
         exchange runs inside each group and offsets index group members.
-      backend: ``"auto"`` (native ``xla`` where the platform has it, else ``portable``),
-        ``"portable"`` (padded ``all_to_all``, every platform) or ``"xla"``.
+      backend: ``"auto"`` (the fastest measured transport available: ``portable`` today),
+        ``"portable"`` (padded ``all_to_all``, every platform) or ``"xla"`` (XLA's native op,
+        GPU/TPU only, exact bytes but slow on GPUs today; see the README's numbers).
 
     Returns:
       ``(M, ...)`` array: ``output`` with the received segments written in.

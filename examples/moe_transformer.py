@@ -180,12 +180,17 @@ class Trainer:
         return ep_comm.distributed.global_array(toks, NamedSharding(self.mesh, P("ep")))
 
     def check_against_dense(self, toks):
-        """Max |EP logits - dense single-device logits| with the current (initial) parameters."""
-        ep = ep_comm.distributed.to_host(self.logits(self.params, self.put_tokens(toks)))
+        """Max |EP logits - dense single-device logits| with the current (initial) parameters.
+
+        Both run with full float32 matmuls: with TF32 (the GPU default) the router's near-ties can
+        pick different experts in the two programs, which says nothing about ep_comm."""
         dense_fn = jax.jit(functools.partial(forward, cfg=self.cfg,
                                              moe=functools.partial(moe_dense, cfg=self.cfg)))
         dev = jax.local_devices()[0]
-        dense = np.asarray(dense_fn(jax.device_put(self.host_params, dev), jax.device_put(toks, dev)))
+        with jax.default_matmul_precision("highest"):
+            ep = ep_comm.distributed.to_host(self.logits(self.params, self.put_tokens(toks)))
+            dense = np.asarray(dense_fn(jax.device_put(self.host_params, dev),
+                                        jax.device_put(toks, dev)))
         return float(np.abs(ep - dense).max()), float(np.abs(dense).max())
 
     def train(self, steps: int, log_every: int = 20, log=print):

@@ -24,6 +24,8 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 AXIS = "ep"
+# Tests compare against float64 references; on GPUs XLA's default float32 matmul is TF32.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _base_seed() -> int:

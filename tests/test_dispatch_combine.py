@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
+from collectives import available as ep_comm_available
 from moe_reference import Reference, routing
 
 T, K, H, F = 16, 4, 8, 6
@@ -133,6 +135,18 @@ def test_bfloat16_tokens(sharded, n, rng, combine_dtype):
     err = np.abs(y.astype(np.float64) - want)
     assert np.all(err <= tol * (np.abs(want) + np.abs(x.astype(np.float64)).max(1, keepdims=True)
                                 * w.sum(1, keepdims=True)))
+
+
+def test_backends_agree_bit_for_bit(sharded, n, rng):
+    backends = [b for b, why in ep_comm_available().items() if why is None]
+    if len(backends) < 2:
+        pytest.skip(f"only {backends} available here")
+    x, ids, w = inputs(rng, n, "masked")
+    outs = [run_identity(sharded, dataclasses.replace(config(n), backend=b), x, ids, w)
+            for b in backends]
+    for other in outs[1:]:
+        for u, v in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(other)):
+            np.testing.assert_array_equal(u, v)
 
 
 def test_deterministic(sharded, n, rng):

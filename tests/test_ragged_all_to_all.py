@@ -102,14 +102,22 @@ def data(rng, n, dtype):
             np.full((n, M_ROWS, D), np.nan).astype(dtype))  # poison: unwritten rows stay NaN
 
 
+def needs(backend):
+    reason = collectives.available()[backend]
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("backend", ["portable", "xla"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
 @pytest.mark.parametrize("kind", ["random", "skew", "empty", "two_per_peer"])
-def test_matches_reference(sharded, n, rng, dtype, kind):
+def test_matches_reference(sharded, n, rng, dtype, kind, backend):
+    needs(backend)
     case = make_case(rng, n, skew=kind == "skew", m=2 if kind == "two_per_peer" else 1,
                      empty_ranks=range(0, n, 2) if kind == "empty" else ())
     sizes, io, oo, rs, groups, m = case
     operand, output = data(rng, n, dtype)
-    got = run(sharded, n, operand, output, io, sizes, oo, rs)
+    got = run(sharded, n, operand, output, io, sizes, oo, rs, backend=backend)
     want = reference(operand, output, io, sizes, oo, rs, groups, m)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit
 
@@ -303,7 +311,7 @@ def test_error_outside_shard_map():
         ep_comm.ragged_all_to_all(jnp.zeros((4, 2)), jnp.zeros((4, 2)), z, z, z, z, axis_name="ep")
 
 
-def test_auto_picks_portable_on_cpu():
-    if jax.default_backend() != "cpu":
-        pytest.skip("CPU-only expectation")
-    assert collectives.resolve("auto")[0] == "portable"
+def test_auto_picks_portable():
+    assert collectives.resolve("auto", "cpu")[0] == "portable"
+    assert collectives.resolve("auto", "cuda")[0] == "portable"  # measured faster, see README
+    assert collectives.resolve("xla", "cuda")[0] == "xla"
