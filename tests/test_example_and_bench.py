@@ -31,7 +31,7 @@ def test_example_rejects_indivisible_batch(n):
 
 
 def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
-    bc = bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=4 * n,
+    bc = bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=8 * n,
                            dtype="float32", routing="skewed")
     report = bench.run(bc, warmup=1, iters=2)
     rows = {(r["impl"], r["phase"]): r for r in report["results"]}

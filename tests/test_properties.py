@@ -21,7 +21,7 @@ SETTINGS = settings(max_examples=15, deadline=None, derandomize=_INFO.num_proces
 
 @functools.lru_cache(maxsize=None)
 def program(sharded, n):
-    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=2 * n, topk=K, tokens_per_rank=T,
+    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T,
                            backend="portable")
 
     def f(x, ids, w):
@@ -32,7 +32,7 @@ def program(sharded, n):
 
 
 def routings(n):
-    E = 2 * n
+    E = 4 * n
     return st.lists(st.integers(-1, E - 1), min_size=n * T * K, max_size=n * T * K).map(
         lambda v: np.array(v, np.int32).reshape(n * T, K))
 
