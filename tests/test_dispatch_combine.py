@@ -319,3 +319,22 @@ def test_combine_argument_errors(sharded, n, rng):
         ep_comm.combine(jnp.zeros((4, 4)), ())
     with pytest.raises(TypeError, match=re.escape("check: expected an ep_comm.EPHandle, got int")):
         ep_comm.check(3)
+
+
+def test_placement_and_buffer_errors():
+    from topology import ExpertPlacement
+
+    with pytest.raises(ValueError, match=re.escape(
+            "ExpertPlacement: num_experts=10 must be divisible by the number of expert-parallel "
+            "ranks 4")):
+        ExpertPlacement(10, 4)
+    with pytest.raises(ValueError, match=re.escape(
+            "ExpertPlacement: num_ranks must be a positive int, got 0")):
+        ExpertPlacement(8, 0)
+    p = ExpertPlacement(8, 4)
+    assert list(p.rank_of(jnp.arange(8))) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert list(p.local_index(jnp.arange(8))) == [0, 1] * 4
+    cfg = ep_comm.EPConfig("ep", num_ranks=2, num_experts=8, topk=2, tokens_per_rank=4)
+    with pytest.raises(ValueError, match=re.escape(
+            "EPConfig.buffer_bytes: hidden must be a positive int, got -1")):
+        cfg.buffer_bytes(-1, "float32")
