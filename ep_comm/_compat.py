@@ -5,7 +5,13 @@ Everything else in ep_comm uses public JAX APIs only.
 
 from __future__ import annotations
 
+import jax
 from jax import lax
+
+
+def is_tracer(x) -> bool:
+    """True for a value being traced (inside jit/shard_map/grad), False for a concrete array."""
+    return isinstance(x, jax.core.Tracer)
 
 
 def axis_size(axis_name, api_name: str) -> int:

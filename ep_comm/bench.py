@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import platform
@@ -142,8 +143,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     for backend in backends or [b for b in ("portable", "xla") if avail[b] is None]:
         cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
                                backend=backend)
-        disp = smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg))
-        comb = smap(lambda ex, h: ep_comm.combine(ex, h))
+        disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
+        comb = smap(ep_comm.combine)
         ex, h = disp(xs, idss, ws)
         y = comb(ex, h)
         t_d = _median_us(disp, (xs, idss, ws), warmup, iters)
@@ -162,8 +163,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         results.append(dict(phase="combine", time_us=t_c, wire=wire_c, **common))
     for cf in capacity_factors:
         cap = capacity_slots(cf, T, K, E)
-        fn = smap(lambda x, i, w: capacity_round_trip(x, i, w, axis_name="ep", num_experts=E,
-                                                      cap=cap))
+        fn = smap(functools.partial(capacity_round_trip, axis_name="ep", num_experts=E, cap=cap))
         y, dropped = fn(xs, idss, ws)
         t = _median_us(fn, (xs, idss, ws), warmup, iters)
         results.append(dict(impl=f"capacity cf={cf}", phase="round trip", time_us=t,

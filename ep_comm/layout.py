@@ -76,8 +76,13 @@ def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLa
     Works anywhere (inside or outside ``shard_map``): it is local to the calling rank.
     """
     placement = ExpertPlacement(num_experts, num_ranks)
-    topk_ids = check_topk_ids("dispatch_layout", topk_ids)
-    valid, dest, _ = routed(topk_ids, placement)
+    return layout_and_routes(check_topk_ids("dispatch_layout", topk_ids), placement)[0]
+
+
+def layout_and_routes(topk_ids, placement: ExpertPlacement):
+    """``(DispatchLayout, valid, dest, local)`` for validated ids (see :func:`routed`)."""
+    num_experts, num_ranks = placement.num_experts, placement.num_ranks
+    valid, dest, local = routed(topk_ids, placement)
     ids = topk_ids.astype(jnp.int32)
     invalid = (ids != -1) & ~valid
     in_rank = jnp.any(dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32), axis=1)
@@ -86,10 +91,11 @@ def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLa
                               length=num_experts + 1)[:num_experts]
     per_rank_pairs = jnp.bincount(jnp.where(distinct, dest, num_ranks).reshape(-1),
                                   length=num_ranks + 1)[:num_ranks]
-    return DispatchLayout(
+    layout = DispatchLayout(
         num_tokens_per_rank=jnp.sum(in_rank, axis=0, dtype=jnp.int32),
         num_tokens_per_expert=per_expert.astype(jnp.int32),
         is_token_in_rank=in_rank,
         num_pairs_per_rank=per_rank_pairs.astype(jnp.int32),
         num_invalid=jnp.sum(invalid, dtype=jnp.int32),
     )
+    return layout, valid, dest, local

@@ -31,9 +31,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from ep_comm._compat import axis_size
+from ep_comm._compat import axis_size, is_tracer
 from ep_comm.config import EPConfig
-from ep_comm.layout import check_topk_ids, dispatch_layout, repeats_earlier, routed
+from ep_comm.layout import check_topk_ids, layout_and_routes, repeats_earlier
 from ep_comm.ragged import _ragged_all_to_all
 
 
@@ -67,7 +67,6 @@ class EPHandle:
         (not routed).
       traffic: ``(2, n)`` int32; row 0: tokens this rank sends to each rank (before capacity
         clipping), row 1: tokens it receives from each rank (after clipping).
-      send_token: ``(S,)`` int32; source token of each send-buffer row (``T`` if unused).
       token_send_row: ``(T, K)`` int32; send-buffer row carrying pair ``(t, k)`` when ``k`` is the
         first of ``t``'s choices on that rank, else -1. Combine sums over these.
       send_offsets: ``(n, n)`` int32; ``[s, d]``: first send-buffer row of rank ``s`` for rank ``d``.
@@ -87,7 +86,6 @@ class EPHandle:
     num_dropped: jax.Array
     num_invalid: jax.Array
     traffic: jax.Array
-    send_token: jax.Array
     token_send_row: jax.Array
     send_offsets: jax.Array
     recv_offsets: jax.Array
@@ -153,7 +151,7 @@ def check(handle: EPHandle) -> EPHandle:
     """
     if not isinstance(handle, EPHandle):
         raise TypeError(f"check: expected an ep_comm.EPHandle, got {type(handle).__name__}")
-    if isinstance(handle.num_dropped, jax.core.Tracer):
+    if is_tracer(handle.num_dropped):
         return _runtime_check(handle)
     if not getattr(handle.num_dropped, "is_fully_addressable", True):
         from jax.experimental import multihost_utils
@@ -198,8 +196,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     me = lax.axis_index(ax)
 
     # 1. layout of this rank's tokens.
-    layout = dispatch_layout(topk_ids, num_experts=cfg.num_experts, num_ranks=n)
-    valid, dest, local = routed(topk_ids, cfg.placement)
+    layout, valid, dest, local = layout_and_routes(topk_ids, cfg.placement)
 
     # 2. the n x n traffic matrices, identical on every rank.
     counts = lax.all_gather(jnp.stack([layout.num_tokens_per_rank, layout.num_pairs_per_rank]), ax)
@@ -269,7 +266,6 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
         num_dropped=(expected - jnp.sum(group_sizes)).astype(i32)[None],
         num_invalid=layout.num_invalid[None],
         traffic=jnp.stack([tok[me], recv_counts[:, me]]),
-        send_token=send_token,
         token_send_row=token_send_row,
         send_offsets=send_offsets,
         recv_offsets=recv_offsets,

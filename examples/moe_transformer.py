@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import sys
 import time
 
 import ep_comm
@@ -236,4 +235,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

@@ -84,8 +84,9 @@ class Sharded:
     def get(self, tree):
         return jax.tree.map(ep_comm.distributed.to_host, tree)
 
-    def smap(self, f, in_specs=P(AXIS), out_specs=P(AXIS)):
-        return jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs))
+    def smap(self, f):
+        """jit(shard_map(f)) with every input and output split along rows over the mesh."""
+        return jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (bfloat16 for numpy, shipped with jax)
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import collectives
 import ep_comm
