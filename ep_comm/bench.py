@@ -5,7 +5,9 @@ Compares, side by side in one run and on the same routing:
 - ``ep_comm/<backend>``: dropless dispatch/combine for every transport available here;
 - ``capacity cf=1.0`` / ``cf=1.25``: the classic capacity-based exchange (GShard / Switch style: a
   fixed ``ceil(cf * T * topk / E)`` slots per expert and source rank, a dense ``lax.all_to_all`` of
-  ``(E, capacity, H)``, overflowing tokens dropped).
+  ``(E, capacity, H)``, overflowing tokens dropped);
+- ``lax.all_to_all``: a dense all-to-all of each rank's ``T`` token rows, no routing at all (a
+  ceiling for moving that many bytes; its payload is ``T * H`` elements).
 
 For each: median time over ``--iters`` runs after ``--warmup``; ``algbw`` = the bottleneck rank's
 payload bytes (tokens it must send, self included, times ``H`` times the element size) / time and
@@ -170,9 +172,15 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                             wire=2 * E * cap * H * itemsize, wrong=wrong(y),
                             dropped=int(ep_comm.distributed.to_host(dropped).sum()),
                             buffers=2 * E * cap * H * itemsize))
+    if T % n == 0:  # the ceiling: a dense all-to-all of each rank's T token rows, no routing
+        fn = smap(lambda x: lax.all_to_all(x, "ep", 0, 0, tiled=True))
+        t = _median_us(fn, (xs,), warmup, iters)
+        results.append(dict(impl="lax.all_to_all", phase="T rows", time_us=t, wrong=0, dropped=0,
+                            wire=T * H * itemsize, buffers=T * H * itemsize,
+                            payload=T * H * itemsize))
     for r in results:
         moves = 2 if r["phase"] == "round trip" else 1
-        r["payload"] = payload * moves
+        r.setdefault("payload", payload * moves)
         r["algbw_GBps"] = r["payload"] / (r["time_us"] * 1e3)
         r["busbw_GBps"] = r["algbw_GBps"] * (n - 1) / n
         r["pad"] = r["wire"] / r["payload"]

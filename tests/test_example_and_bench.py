@@ -41,6 +41,8 @@ def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
         assert r["time_us"] > 0 and r["pad"] >= 1.0
     cap = rows[("capacity cf=1.0", "round trip")]
     assert cap["dropped"] > 0 and cap["wrong"] > 0  # skewed routing overflows a fixed capacity
+    ceiling = rows[("lax.all_to_all", "T rows")]
+    assert ceiling["payload"] == 16 * 32 * 4 and ceiling["time_us"] > 0
     text = bench.table(report)
     assert "ep_comm/portable" in text and "capacity cf=1.25" in text
     assert report["hardware"].startswith(f"{jax.device_count()} x ")
