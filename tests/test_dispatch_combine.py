@@ -18,9 +18,15 @@ T, K, H, F = 16, 4, 8, 6
 ROUTINGS = ["random", "masked", "one_expert", "one_rank", "empty_ranks"]
 
 
-def config(n, **kw):
+def config(n, backend="portable", **kw):
+    why = ep_comm_available()[backend]
+    if why:
+        pytest.skip(why)
     return ep_comm.EPConfig(axis_name="ep", num_ranks=n, num_experts=4 * n, topk=K,
-                            tokens_per_rank=T, backend="portable", **kw)
+                            tokens_per_rank=T, backend=backend, **kw)
+
+
+BACKENDS = pytest.mark.parametrize("backend", ["portable", "xla"])
 
 
 def inputs(rng, n, kind, dtype=np.float32):
@@ -38,9 +44,10 @@ def run_identity(sharded, cfg, x, ids, w):
     return sharded.get(sharded.smap(f)(*sharded.put(x, ids, w)))
 
 
+@BACKENDS
 @pytest.mark.parametrize("kind", ROUTINGS)
-def test_dispatch_layout_and_identity_combine(sharded, n, rng, kind):
-    cfg = config(n)
+def test_dispatch_layout_and_identity_combine(sharded, n, rng, kind, backend):
+    cfg = config(n, backend)
     x, ids, w = inputs(rng, n, kind)
     ex, y, h = run_identity(sharded, cfg, x, ids, w)
     ref = Reference(ids, n, cfg.num_experts, T, cfg.expert_rows, cfg.recv_token_rows)
@@ -141,8 +148,7 @@ def test_backends_agree_bit_for_bit(sharded, n, rng):
     if len(backends) < 2:
         pytest.skip(f"only {backends} available here")
     x, ids, w = inputs(rng, n, "masked")
-    outs = [run_identity(sharded, dataclasses.replace(config(n), backend=b), x, ids, w)
-            for b in backends]
+    outs = [run_identity(sharded, config(n, b), x, ids, w) for b in backends]
     for other in outs[1:]:
         for u, v in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(other), strict=True):
             np.testing.assert_array_equal(u, v)
@@ -159,8 +165,9 @@ def test_deterministic(sharded, n, rng):
 
 # ---- capacity overflow: counted and reported, never silent -----------------------------------------
 
-def test_small_capacity_overflow_is_counted_and_reported(sharded, n, rng):
-    cfg = config(n, recv_capacity=T)  # far below the worst case
+@BACKENDS
+def test_small_capacity_overflow_is_counted_and_reported(sharded, n, rng, backend):
+    cfg = config(n, backend, recv_capacity=T)  # far below the worst case
     assert not cfg.is_dropless
     x, ids, w = inputs(rng, n, "one_rank")
     ex, y, h = run_identity(sharded, cfg, x, ids, w)
