@@ -254,8 +254,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     expert_x = jnp.where(used[:, None], expert_x, jnp.zeros((), x.dtype))
 
     # First k of each token on each rank: the pair whose send row combine reads back.
-    same_rank_before = jnp.tril(dest[:, :, None] == dest[:, None, :], k=-1).any(axis=2)
-    first = valid & ~same_rank_before
+    first = valid & ~repeats_earlier(dest)
     token_send_row = jnp.where(first, jnp.take_along_axis(send_row, jnp.minimum(dest, n - 1), 1), -1)
 
     expected = jnp.sum(pairs[:, me])
