@@ -90,9 +90,10 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
     sizes its slots with it."""
     operand = jnp.asarray(operand)
     output = jnp.asarray(output)
-    for name, x in (("input_offsets", input_offsets), ("send_sizes", send_sizes),
-                    ("output_offsets", output_offsets), ("recv_sizes", recv_sizes)):
-        _check_index_array(name, jnp.asarray(x))
+    index_arrays = tuple(map(jnp.asarray, (input_offsets, send_sizes, output_offsets, recv_sizes)))
+    for name, x in zip(("input_offsets", "send_sizes", "output_offsets", "recv_sizes"),
+                       index_arrays, strict=True):
+        _check_index_array(name, x)
     if operand.ndim < 1 or output.ndim < 1:
         raise ValueError(f"{_API}: operand and output must have a leading row axis, got shapes "
                          f"{operand.shape} and {output.shape}")
@@ -102,12 +103,11 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
     if operand.shape[1:] != output.shape[1:]:
         raise ValueError(f"{_API}: operand and output must agree on every dimension but the first, "
                          f"got shapes {operand.shape} and {output.shape}")
-    lengths = {len(jnp.asarray(a)) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)}
+    lengths = {a.shape[0] for a in index_arrays}
     if len(lengths) != 1:
         raise ValueError(f"{_API}: input_offsets, send_sizes, output_offsets and recv_sizes must "
-                         f"have the same length, got {jnp.shape(input_offsets)}, "
-                         f"{jnp.shape(send_sizes)}, {jnp.shape(output_offsets)}, "
-                         f"{jnp.shape(recv_sizes)}")
+                         f"have the same length, got "
+                         f"{', '.join(str(tuple(a.shape)) for a in index_arrays)}")
     _, transport = collectives.resolve(backend, caller=_API)
     axis_n = axis_size(axis_name, _API)
     groups = canonical_groups(axis_index_groups, axis_n)
@@ -117,7 +117,6 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
         raise ValueError(f"{_API}: the offsets and sizes have length {k}, which is not a multiple of "
                          f"the number of participants {group_n} (axis {axis_name!r}"
                          f"{' groups' if groups else ''})")
-    return transport(operand, output, jnp.asarray(input_offsets), jnp.asarray(send_sizes),
-                     jnp.asarray(output_offsets), jnp.asarray(recv_sizes), axis_name=axis_name,
+    return transport(operand, output, *index_arrays, axis_name=axis_name,
                      axis_index_groups=[list(g) for g in groups] if groups else None,
                      max_segment_rows=max_segment_rows)
