@@ -278,6 +278,21 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     return expert_x, handle
 
 
+def _gather_sum(table, idx, ok, weights=None):
+    """``sum_k ok[:, k] * weights[:, k] * table[idx[:, k]]`` in float32, adding k in order (a
+    fixed order: deterministic). ``idx``/``ok``/``weights``: ``(N, K)``; masked entries may hold
+    any index and contribute exactly zero, even where the table holds NaN."""
+    acc = None
+    for k in range(idx.shape[1]):
+        rows = jnp.take(table, jnp.clip(idx[:, k], 0, table.shape[0] - 1), axis=0)
+        rows = rows.astype(jnp.float32)
+        if weights is not None:
+            rows = weights[:, k, None] * rows
+        term = jnp.where(ok[:, k, None], rows, 0.0)
+        acc = term if acc is None else acc + term
+    return acc
+
+
 def combine(expert_y, handle: EPHandle):
     """Return expert outputs to their tokens and sum them with the router weights.
 
@@ -304,18 +319,13 @@ def combine(expert_y, handle: EPHandle):
         raise ValueError(f"{api}: expert_y must be a floating array of shape (expert_rows, hidden) "
                          f"= ({cfg.expert_rows}, hidden), got {expert_y.dtype} "
                          f"{tuple(expert_y.shape)}")
-    C, K = cfg.expert_rows, cfg.topk
+    C = cfg.expert_rows
     ax = cfg.axis_name
     me = lax.axis_index(ax)
     wire = jnp.dtype(cfg.combine_dtype) if cfg.combine_dtype else expert_y.dtype
 
-    # Receiver: weighted sum over this rank's experts of each received token (float32, k in order).
-    partial = None
-    for k in range(K):
-        pos = handle.recv_pos[:, k]
-        rows = jnp.take(expert_y, jnp.minimum(pos, C - 1), axis=0).astype(jnp.float32)
-        term = jnp.where((pos < C)[:, None], handle.recv_weights[:, k, None] * rows, 0.0)
-        partial = term if partial is None else partial + term
+    # Receiver: weighted sum over this rank's experts of each received token.
+    partial = _gather_sum(expert_y, handle.recv_pos, handle.recv_pos < C, handle.recv_weights)
 
     # Reverse exchange: one partial sum per (token, rank) goes back to the source's send row.
     back = _ragged_all_to_all(
@@ -324,11 +334,6 @@ def combine(expert_y, handle: EPHandle):
         handle.recv_counts[me], axis_name=ax, backend=cfg.backend,
         max_segment_rows=cfg.tokens_per_rank)
 
-    # Source: sum the partials of each token's ranks (float32, in order of first choice).
-    y = None
-    for k in range(K):
-        row = handle.token_send_row[:, k]
-        got = jnp.take(back, jnp.maximum(row, 0), axis=0).astype(jnp.float32)
-        term = jnp.where((row >= 0)[:, None], got, 0.0)
-        y = term if y is None else y + term
+    # Source: sum the partials of each token's ranks (in order of first choice).
+    y = _gather_sum(back, handle.token_send_row, handle.token_send_row >= 0)
     return y.astype(expert_y.dtype)
