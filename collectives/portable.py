@@ -13,7 +13,8 @@ XLA:CPU has no ``ragged-all-to-all``. This transport carries the same semantics 
 
 The slot size is ``S = min(operand rows, output rows)``: no segment can be longer without reading past
 the operand or writing past the receiver's output, so nothing a well-formed call sends is lost
-(callers that know a tighter static bound pass ``max_segment_rows``). The price is padding: every call moves ``K * S`` rows per rank whatever the real sizes are.
+(callers that know a tighter static bound pass ``max_segment_rows``). The price is padding: every
+call moves ``K * S`` rows per rank whatever the real sizes are.
 :func:`wire_rows` reports that number so benchmarks can state the overhead.
 
 Everything is plain ``lax`` (gathers, selects, ``all_to_all``), so ``jit``, ``grad`` (both operands),

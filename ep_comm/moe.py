@@ -237,7 +237,10 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     # 4. expand into groups contiguous per local expert (stable: source rank, token, k). A token
     # that lists one expert twice gets one row; both slots point at it (weights add up in combine).
     has_expert = recv_ids >= 0
-    key = jnp.where(has_expert & ~repeats_earlier(recv_ids), recv_ids, L).reshape(-1)  # (R*K,)
+    # first slot of each (row, k)'s expert in its row; a slot that is not its own first repeats it
+    first_slot = jnp.argmax(recv_ids[:, :, None] == recv_ids[:, None, :], axis=2)  # (R, K)
+    repeat = first_slot != jnp.arange(K)[None, :]
+    key = jnp.where(has_expert & ~repeat, recv_ids, L).reshape(-1)  # (R*K,)
     order = jnp.argsort(key, stable=True).astype(i32)
     per_expert = jnp.bincount(key, length=L + 1)[:L].astype(i32)
     num_pairs = jnp.sum(per_expert)
@@ -245,7 +248,6 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     inverse = jnp.zeros((R * K,), i32).at[order].set(jnp.arange(R * K, dtype=i32),
                                                        unique_indices=True)
     pos_first = jnp.where((key < L) & (inverse < C), inverse, C).reshape(R, K)
-    first_slot = jnp.argmax(recv_ids[:, :, None] == recv_ids[:, None, :], axis=2)  # (R, K)
     recv_pos = jnp.where(has_expert, jnp.take_along_axis(pos_first, first_slot, axis=1), C)
     q = jnp.arange(C, dtype=i32)
     used = q < jnp.minimum(num_pairs, C)
