@@ -47,13 +47,16 @@ def _broadcast_rows(mask, like):
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                      axis_name, axis_index_groups=None, max_segment_rows=None):
+                      axis_name, axis_index_groups=None, max_segment_rows=None,
+                      label=None, tag=None):
     """``lax.ragged_all_to_all`` semantics over ``lax.all_to_all``; arguments already validated.
 
     ``max_segment_rows``: a static bound on every segment's size that the caller guarantees (e.g.
     dispatch: a rank sends each token at most once to a peer, so at most ``T`` rows); it shrinks
-    the slots and so the padding. Rows of a segment past the bound are not sent.
+    the slots and so the padding. Rows of a segment past the bound are not sent. ``label`` and
+    ``tag`` (native-engine diagnostics) are accepted for a uniform signature and unused.
     """
+    del label, tag
     num_segments = input_offsets.shape[0]
     n_rows_in, n_rows_out = operand.shape[0], output.shape[0]
     slot = slot_rows(n_rows_in, n_rows_out, max_segment_rows)

@@ -70,9 +70,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       axis_name: mesh axis name (or tuple of names) to exchange over.
       axis_index_groups: optional partition of the axis indices into equal-size groups; the
         exchange runs inside each group and offsets index group members.
-      backend: ``"auto"`` (the fastest measured transport available: ``portable`` today),
-        ``"portable"`` (padded ``all_to_all``, every platform) or ``"xla"`` (XLA's native op,
-        GPU/TPU only, exact bytes but slow on GPUs today; see the README's numbers).
+      backend: ``"auto"`` (``nccl`` on GPUs where the engine is built, else ``portable``),
+        ``"portable"`` (padded ``all_to_all``, every platform), ``"xla"`` (XLA's native op,
+        GPU/TPU only, exact bytes but slow on GPUs today; see the README's numbers), ``"nccl"``
+        (the compiled engine, GPUs) or ``"mpi"`` (the compiled engine over MPI, CPU, one device
+        per process under ``mpirun``).
 
     Returns:
       ``(M, ...)`` array: ``output`` with the received segments written in.
@@ -84,10 +86,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
 def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                        axis_name, axis_index_groups=None, backend="auto",
-                       max_segment_rows: int | None = None):
-    """:func:`ragged_all_to_all` plus ``max_segment_rows``: a static bound on every
-    ``send_sizes`` entry that the caller (dispatch, combine) guarantees; the portable transport
-    sizes its slots with it."""
+                       max_segment_rows: int | None = None, label: str = _API, tag: int = 0):
+    """:func:`ragged_all_to_all` plus what dispatch and combine know: ``max_segment_rows``, a
+    static bound on every ``send_sizes`` entry (the portable transport sizes its slots with it);
+    ``label``, the operation's name in errors and profiles; ``tag``, a fingerprint of the caller's
+    configuration that the native engine compares across ranks."""
     operand = jnp.asarray(operand)
     output = jnp.asarray(output)
     index_arrays = tuple(map(jnp.asarray, (input_offsets, send_sizes, output_offsets, recv_sizes)))
@@ -119,4 +122,4 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
                          f"{' groups' if groups else ''})")
     return transport(operand, output, *index_arrays, axis_name=axis_name,
                      axis_index_groups=[list(g) for g in groups] if groups else None,
-                     max_segment_rows=max_segment_rows)
+                     max_segment_rows=max_segment_rows, label=label, tag=tag)

@@ -41,6 +41,25 @@ def _base_seed() -> int:
 
 BASE_SEED = _base_seed()
 
+# Every transport the suite runs against; each test skips those that cannot run here.
+ALL_BACKENDS = ["portable", "xla", "mpi", "nccl"]
+
+
+def backend_skip_reason(backend: str) -> str | None:
+    """Why ``backend`` cannot run in this test process (None: it can)."""
+    import collectives
+
+    why = collectives.available()[backend]
+    if why is None and backend == "mpi" and jax.local_device_count() != 1:
+        why = ("backend='mpi' needs one device per process (mpirun with EP_COMM_CPU_DEVICES=1); "
+               f"this process has {jax.local_device_count()}")
+    return why
+
+
+def needs_backend(backend: str) -> None:
+    if (why := backend_skip_reason(backend)) is not None:
+        pytest.skip(why)
+
 
 def pytest_report_header(config):
     return (f"ep_comm: {jax.device_count()} devices ({jax.default_backend()}), "

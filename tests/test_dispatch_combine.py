@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ep_comm
-from collectives import available as ep_comm_available
+from conftest import ALL_BACKENDS, backend_skip_reason, needs_backend
 from moe_reference import Reference, routing
 
 T, K, H, F = 16, 4, 8, 6
@@ -19,14 +19,12 @@ ROUTINGS = ["random", "masked", "one_expert", "one_rank", "empty_ranks"]
 
 
 def config(n, backend="portable", **kw):
-    why = ep_comm_available()[backend]
-    if why:
-        pytest.skip(why)
+    needs_backend(backend)
     return ep_comm.EPConfig(axis_name="ep", num_ranks=n, num_experts=4 * n, topk=K,
                             tokens_per_rank=T, backend=backend, **kw)
 
 
-BACKENDS = pytest.mark.parametrize("backend", ["portable", "xla"])
+BACKENDS = pytest.mark.parametrize("backend", ALL_BACKENDS)
 
 
 def inputs(rng, n, kind, dtype=np.float32):
@@ -144,7 +142,7 @@ def test_bfloat16_tokens(sharded, n, rng, combine_dtype):
 
 
 def test_backends_agree_bit_for_bit(sharded, n, rng):
-    backends = [b for b, why in ep_comm_available().items() if why is None]
+    backends = [b for b in ALL_BACKENDS if backend_skip_reason(b) is None]
     if len(backends) < 2:
         pytest.skip(f"only {backends} available here")
     x, ids, w = inputs(rng, n, "masked")
@@ -232,7 +230,7 @@ def test_out_of_range_ids_are_counted_and_reported(sharded, n, rng):
     (dict(topk=9), "EPConfig: topk=9 must be at most num_experts=8"),
     (dict(tokens_per_rank=2.5), "EPConfig: tokens_per_rank must be a positive int, got 2.5"),
     (dict(recv_capacity=0), "EPConfig: recv_capacity must be a positive int, got 0"),
-    (dict(backend="nccl2"), "EPConfig: backend must be one of ('auto', 'portable', 'xla'), "
+    (dict(backend="nccl2"), "EPConfig: backend must be one of ('auto', 'portable', 'xla', 'mpi', 'nccl'), "
                             "got 'nccl2'"),
     (dict(overflow="drop"), "EPConfig: overflow must be one of ('count', 'raise'), got 'drop'"),
     (dict(combine_dtype="int8"), "EPConfig: combine_dtype must be None or a floating dtype name, "

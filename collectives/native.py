@@ -1,0 +1,220 @@
+"""Native transports: the ragged exchange through the compiled engine (``collectives/csrc``).
+
+- ``"nccl"`` (GPU): two XLA custom calls, ``ep_comm_nccl_start`` and ``ep_comm_nccl_done``, ordered
+  by data dependence. start issues the exchange on the communicator's own CUDA stream and returns;
+  done makes XLA's stream wait for it. Work XLA places between them overlaps the exchange. Exactly
+  the requested bytes move (grouped ``ncclSend``/``ncclRecv``); a rank's segments to itself are
+  copied by a kernel that reads the offsets on the device.
+- ``"mpi"`` (CPU, one device per process under ``mpirun``): one custom call,
+  ``ep_comm_mpi_exchange`` (metadata by point-to-point messages, payload by ``MPI_Ialltoallv``).
+
+How sizes reach the host (NCCL): a single-rank exchange never needs them there. With peers, the
+per-peer metadata (offsets, sizes, shapes, a config tag) is exchanged on the device, published by a
+kernel into pinned mapped host memory, and start polls a flag for it (with a deadline) before it
+issues the payload sends, because ``ncclSend`` takes its byte count from the host. That wait is the
+one host synchronisation per call; XLA's own ragged all-to-all makes the same wait with a blocking
+copy. Its cost is in the benchmark (``python -m ep_comm.bench``, README).
+
+Errors: every rank checks every transfer it takes part in against both ends' metadata (sizes that
+agree, rows inside both buffers, same shapes and config tag); ill-formed transfers are skipped by
+both ends alike (no hang) and the call fails with a message naming ranks, segments and values.
+A peer that never arrives fails the call after ``EP_COMM_TIMEOUT_S`` seconds (default 300) and
+leaves the communicator aborted.
+
+The primitive ``ep_comm_ragged_exchange`` carries ``lax.ragged_all_to_all``'s rules: it is linear in
+``operand`` and ``output`` (jvp applies the same exchange to tangents; the transpose is the reverse
+exchange), and ``vmap`` folds the batch into the row axis (as JAX does for its own op).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from collectives import bootstrap
+
+TRANSPORTS = ("mpi", "nccl")
+_PLATFORM = {"mpi": "cpu", "nccl": "cuda"}
+_op_ids = itertools.count(1)
+
+
+def _tag_value(tag) -> int:
+    return int(tag) & ((1 << 62) - 1)
+
+
+def exchange(transport: str, operand, output, input_offsets, send_sizes, output_offsets,
+             recv_sizes, *, axis_name, axis_index_groups=None, label="ragged_all_to_all", tag=0):
+    """Bind the engine's ragged exchange (arguments already validated by ep_comm.ragged)."""
+    axis_name = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    groups = (tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+              if axis_index_groups else None)
+    idx = [jnp.asarray(x).astype(jnp.int32) for x in
+           (input_offsets, send_sizes, output_offsets, recv_sizes)]
+    return ragged_exchange_p.bind(operand, output, *idx, transport=transport, axis_name=axis_name,
+                                  axis_index_groups=groups, label=str(label),
+                                  tag=_tag_value(tag))
+
+
+def transport_fn(transport: str):
+    """A transport with the signature of :mod:`collectives.portable`'s."""
+    def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                          *, axis_name, axis_index_groups=None, max_segment_rows=None,
+                          label="ragged_all_to_all", tag=0):
+        del max_segment_rows  # exact-size transport
+        return exchange(transport, operand, output, input_offsets, send_sizes, output_offsets,
+                        recv_sizes, axis_name=axis_name, axis_index_groups=axis_index_groups,
+                        label=label, tag=tag)
+    ragged_all_to_all.__name__ = f"{transport}_ragged_all_to_all"
+    return ragged_all_to_all
+
+
+# --- primitive ---------------------------------------------------------------------------------
+
+ragged_exchange_p = Primitive("ep_comm_ragged_exchange")
+
+
+def _impl(*args, **params):
+    raise RuntimeError("ep_comm's native exchange must be used inside jax.shard_map (and jit)")
+
+
+def _abstract_eval(operand, output, *idx, axis_name, **params):
+    from jax._src import core  # NamedAxisEffect: the effect JAX's own collectives declare
+    return output.update(shape=output.shape, weak_type=False), {*map(core.NamedAxisEffect,
+                                                                     axis_name)}
+
+
+def _jvp(primals, tangents, **params):
+    operand, output, *idx = primals
+    d_operand, d_output, *_ = tangents
+    result = ragged_exchange_p.bind(operand, output, *idx, **params)
+    if type(d_operand) is type(d_output) is ad.Zero:
+        return result, ad.Zero.from_primal_value(result)
+    d_operand = ad.instantiate_zeros(d_operand)
+    d_output = ad.instantiate_zeros(d_output)
+    return result, ragged_exchange_p.bind(d_operand, d_output, *idx, **params)
+
+
+def _rows_covered(n_rows, offsets, sizes):
+    """Boolean (n_rows,): rows inside some segment [offsets[i], offsets[i] + sizes[i])."""
+    live = (sizes > 0).astype(jnp.int32)
+    delta = jnp.zeros((n_rows + 1,), jnp.int32)
+    delta = delta.at[jnp.where(live > 0, offsets, n_rows)].add(live, mode="drop")
+    delta = delta.at[jnp.where(live > 0, offsets + sizes, n_rows)].add(-live, mode="drop")
+    return jnp.cumsum(delta)[:n_rows] > 0
+
+
+def _transpose(t, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+               axis_name, axis_index_groups, **params):
+    groups = [list(g) for g in axis_index_groups] if axis_index_groups else None
+    op_aval = operand.aval if ad.is_undefined_primal(operand) else jax.typeof(operand)
+    out_aval = output.aval if ad.is_undefined_primal(output) else jax.typeof(output)
+    if type(t) is ad.Zero:
+        return [ad.Zero(op_aval) if ad.is_undefined_primal(operand) else None,
+                ad.Zero(out_aval) if ad.is_undefined_primal(output) else None] + [None] * 4
+    # Where my received segments landed (my frame) and where the senders took them from (theirs).
+    landed = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
+    taken = lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
+    operand_t = output_t = None
+    if ad.is_undefined_primal(operand):
+        reverse = dict(params, label=params["label"] + " (transpose)")
+        operand_t = ragged_exchange_p.bind(
+            t, jnp.zeros(op_aval.shape, op_aval.dtype), landed, recv_sizes, taken, send_sizes,
+            axis_name=axis_name, axis_index_groups=axis_index_groups, **reverse)
+    if ad.is_undefined_primal(output):
+        covered = _rows_covered(t.shape[0], landed, recv_sizes)
+        covered = lax.broadcast_in_dim(covered, t.shape, (0,))
+        output_t = jnp.where(covered, jnp.zeros((), t.dtype), t)
+    return [operand_t, output_t] + [None] * 4
+
+
+def _batch(vals, dims, *, axis_name, axis_index_groups, **params):
+    """Fold the batch into rows: batch b's segments go to the same peers, shifted by b rows-blocks."""
+    from ep_comm._compat import axis_size
+    size = next(v.shape[d] for v, d in zip(vals, dims) if d is not batching.not_mapped)
+    vals = [batching.bdim_at_front(v, d, size) for v, d in zip(vals, dims)]
+    operand, output, io, ss, oo, rs = vals
+    n_rows_in, n_rows_out = operand.shape[1], output.shape[1]
+    k = io.shape[1]
+    n = (len(axis_index_groups[0]) if axis_index_groups
+         else axis_size(axis_name, "ragged_all_to_all"))
+    m = k // n
+    b = jnp.arange(size, dtype=jnp.int32)[:, None]
+    io, oo = io + b * n_rows_in, oo + b * n_rows_out
+
+    def by_peer(x):  # (B, n*m) -> (n*B*m,): segments grouped by destination peer
+        return x.reshape(size, n, m).transpose(1, 0, 2).reshape(-1)
+
+    out = ragged_exchange_p.bind(
+        operand.reshape(size * n_rows_in, *operand.shape[2:]),
+        output.reshape(size * n_rows_out, *output.shape[2:]),
+        *map(by_peer, (io, ss, oo, rs)), axis_name=axis_name,
+        axis_index_groups=axis_index_groups, **params)
+    return out.reshape(size, n_rows_out, *output.shape[2:]), 0
+
+
+def device_groups(mesh, axis_name: tuple, axis_index_groups=None) -> list[list]:
+    """The device groups that exchange over ``axis_name`` of ``mesh``; each group lists its devices
+    in axis-index order (row-major over the names, as ``lax.axis_index`` counts)."""
+    names = list(mesh.axis_names)
+    missing = [a for a in axis_name if a not in names]
+    if missing:
+        raise NameError(f"axis {missing} is not an axis of the mesh {tuple(names)}")
+    ax = [names.index(a) for a in axis_name]
+    rest = [i for i in range(len(names)) if i not in ax]
+    devs = np.transpose(np.asarray(mesh.devices), rest + ax)
+    width = int(np.prod([mesh.devices.shape[i] for i in ax]))
+    rows = [list(r) for r in devs.reshape(-1, width)]
+    if axis_index_groups:
+        rows = [[row[i] for i in g] for row in rows for g in axis_index_groups]
+    return rows
+
+
+def _lower(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, label, tag,
+           platform):
+    if _PLATFORM[transport] != platform:
+        raise ValueError(f"{label}: backend={transport!r} runs on {_PLATFORM[transport]}, but this "
+                         f"program is being compiled for {platform}")
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None or not hasattr(mesh, "devices"):
+        raise ValueError(f"{label}: backend={transport!r} runs inside jax.shard_map over a "
+                         f"concrete mesh (found axis context "
+                         f"{type(ctx.module_context.axis_context).__name__})")
+    key = bootstrap.communicator(transport,
+                                 device_groups(mesh, axis_name, axis_index_groups))
+    attrs = dict(comm_key=np.int64(key), label=label)
+    if transport == "mpi":
+        rule = jax.ffi.ffi_lowering("ep_comm_mpi_exchange", operand_output_aliases={1: 0})
+        return rule(ctx, operand, output, *idx, tag=np.int64(tag), **attrs)
+    n = len(device_groups(mesh, axis_name, axis_index_groups)[0])
+    k = ctx.avals_in[2].shape[0]
+    ws_aval = jax.core.ShapedArray((2 * n * (6 + 4 * (k // n)),), np.int64)
+    op_id = np.int64(next(_op_ids))
+    start = jax.ffi.ffi_lowering("ep_comm_nccl_start", operand_output_aliases={1: 0})
+    result, workspace = start(ctx.replace(avals_out=[ctx.avals_out[0], ws_aval]), operand, output,
+                              *idx, tag=np.int64(tag), op_id=op_id, **attrs)
+    done = jax.ffi.ffi_lowering("ep_comm_nccl_done", operand_output_aliases={0: 0})
+    done_ctx = ctx.replace(avals_in=[ctx.avals_out[0], ws_aval, ctx.avals_in[0], *ctx.avals_in[2:]])
+    return done(done_ctx, result, workspace, operand, *idx, op_id=op_id, **attrs)
+
+
+ragged_exchange_p.def_impl(_impl)
+ragged_exchange_p.def_effectful_abstract_eval(_abstract_eval)
+ad.primitive_jvps[ragged_exchange_p] = _jvp
+ad.primitive_transposes[ragged_exchange_p] = _transpose
+batching.primitive_batchers[ragged_exchange_p] = _batch
+mlir.register_lowering(ragged_exchange_p, lambda ctx, *a, **p: _lower(ctx, *a, platform="cpu", **p),
+                       platform="cpu")
+mlir.register_lowering(ragged_exchange_p, lambda ctx, *a, **p: _lower(ctx, *a, platform="cuda", **p),
+                       platform="cuda")
+
+
+def device_copy(x):
+    """``x`` copied by one ``cudaMemcpyAsync`` (the benchmark's ceiling for moving its bytes)."""
+    bootstrap.register_targets("nccl")
+    return jax.ffi.ffi_call("ep_comm_device_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
