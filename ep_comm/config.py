@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable
 
+import zlib
+
 import numpy as np
 
 import collectives
@@ -70,6 +72,9 @@ class EPConfig:
         if self.num_experts % self.num_ranks:
             raise ValueError(f"{owner}: num_experts={self.num_experts} must be divisible by "
                              f"num_ranks={self.num_ranks}")
+        if self.num_experts > 2**24:
+            raise ValueError(f"{owner}: num_experts={self.num_experts} must be at most 2**24 "
+                             f"(expert ids travel exactly in float32)")
         if self.topk > self.num_experts:
             raise ValueError(f"{owner}: topk={self.topk} must be at most "
                              f"num_experts={self.num_experts}")
@@ -90,6 +95,14 @@ class EPConfig:
                 raise ValueError(f"{owner}: combine_dtype must be None or a floating dtype name, "
                                  f"got {self.combine_dtype!r}")
             object.__setattr__(self, "combine_dtype", dt.name)
+
+    @property
+    def fingerprint(self) -> int:
+        """A stable 32-bit digest of the fields every rank must agree on; the native transports
+        compare it across ranks on every exchange and fail on a mismatch."""
+        fields = (self.num_ranks, self.num_experts, self.topk, self.tokens_per_rank,
+                  self.recv_capacity, self.combine_dtype)
+        return zlib.crc32(repr(fields).encode())
 
     # Derived sizes -------------------------------------------------------------------------------
     @property

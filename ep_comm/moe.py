@@ -224,15 +224,20 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     send_ids = jnp.where(mine, local[src_tok], -1)
     send_w = jnp.where(mine, topk_weights[src_tok].astype(jnp.float32), 0.0)
 
-    def exchange(operand, fill):
+    def exchange(operand, fill, what):
         out = jnp.full((R, *operand.shape[1:]), fill, operand.dtype)
         return _ragged_all_to_all(operand, out, send_offsets[me], recv_counts[me],
                                   recv_offsets[me], recv_counts[:, me], axis_name=ax,
-                                  backend=cfg.backend, max_segment_rows=T)
+                                  backend=cfg.backend, max_segment_rows=T,
+                                  label=f"dispatch ({what})", tag=cfg.fingerprint)
 
-    recv_x = exchange(send_x, 0)
-    recv_ids = exchange(send_ids, -1)
-    recv_w = exchange(send_w, 0)
+    recv_x = exchange(send_x, 0, "tokens")
+    # Weights and local expert ids travel together in one float32 exchange (ids < 2**24 are
+    # exact in float32; the weights keep their gradient).
+    routing = exchange(jnp.concatenate([send_w, send_ids.astype(jnp.float32)], 1), 0, "routing")
+    received = (jnp.arange(R, dtype=i32) < jnp.sum(recv_counts[:, me]))[:, None]  # rows written
+    recv_w = jnp.where(received, routing[:, :K], 0.0)
+    recv_ids = jnp.where(received, routing[:, K:].astype(i32), -1)
 
     # 4. expand into groups contiguous per local expert (stable: source rank, token, k). A token
     # that lists one expert twice gets one row; both slots point at it (weights add up in combine).
@@ -334,7 +339,7 @@ def combine(expert_y, handle: EPHandle):
         partial.astype(wire), jnp.zeros((cfg.send_rows, expert_y.shape[1]), wire),
         handle.recv_offsets[:, me], handle.recv_counts[:, me], handle.send_offsets[:, me],
         handle.recv_counts[me], axis_name=ax, backend=cfg.backend,
-        max_segment_rows=cfg.tokens_per_rank)
+        max_segment_rows=cfg.tokens_per_rank, label="combine", tag=cfg.fingerprint)
 
     # Source: sum the partials of each token's ranks (in order of first choice).
     y = _gather_sum(back, handle.token_send_row, handle.token_send_row >= 0)
