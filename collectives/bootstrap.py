@@ -264,10 +264,9 @@ def status(key: int) -> dict[int, str]:
 
 
 def finalize() -> None:
-    """Destroy every communicator of this process (NCCL comms, MPI sub-communicators).
-
-    Programs compiled before need their communicators again: lower them anew (e.g. after
-    ``jax.clear_caches()``) or they fail with "not bootstrapped"."""
+    """Destroy every communicator of this process (NCCL comms, MPI sub-communicators) and clear
+    JAX's compilation caches, so that the next call of a program lowers it again and so
+    bootstraps new communicators (collectively: every process must call finalize)."""
     with _lock:
         if "nccl" in _modules:
             _modules["nccl"].finalize()
@@ -281,3 +280,7 @@ def finalize() -> None:
                     except Exception:  # MPI already finalised at exit
                         pass
         _comms.clear()
+    try:
+        jax.clear_caches()
+    except Exception:  # at interpreter exit
+        pass

@@ -124,7 +124,7 @@ def _transpose(t, operand, output, input_offsets, send_sizes, output_offsets, re
     if ad.is_undefined_primal(operand):
         reverse = dict(params, label=params["label"] + " (transpose)")
         operand_t = ragged_exchange_p.bind(
-            t, jnp.zeros(op_aval.shape, op_aval.dtype), landed, recv_sizes, taken, send_sizes,
+            t, ad.zeros_like_aval(op_aval), landed, recv_sizes, taken, send_sizes,
             axis_name=axis_name, axis_index_groups=axis_index_groups, **reverse)
     if ad.is_undefined_primal(output):
         covered = _rows_covered(t.shape[0], landed, recv_sizes)
@@ -136,7 +136,7 @@ def _transpose(t, operand, output, input_offsets, send_sizes, output_offsets, re
 def _batch(vals, dims, *, axis_name, axis_index_groups, **params):
     """Fold the batch into rows: batch b's segments go to the same peers, shifted by b rows-blocks."""
     from ep_comm._compat import axis_size
-    size = next(v.shape[d] for v, d in zip(vals, dims) if d is not batching.not_mapped)
+    size = next(v.shape[d] for v, d in zip(vals, dims) if d is not None)
     vals = [batching.bdim_at_front(v, d, size) for v, d in zip(vals, dims)]
     operand, output, io, ss, oo, rs = vals
     n_rows_in, n_rows_out = operand.shape[1], output.shape[1]

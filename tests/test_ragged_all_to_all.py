@@ -116,7 +116,9 @@ def test_matches_reference(sharded, n, rng, dtype, kind, backend):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit
 
 
-def test_axis_index_groups(sharded, n, rng):
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_axis_index_groups(sharded, n, rng, backend):
+    needs_backend(backend)
     if n % 2:
         pytest.skip("needs an even number of devices")
     half = n // 2
@@ -124,12 +126,14 @@ def test_axis_index_groups(sharded, n, rng):
                    [list(range(0, n, 2)), list(range(1, n, 2))]):
         sizes, io, oo, rs, groups, m = make_case(rng, n, groups=groups)
         operand, output = data(rng, n, "float32")
-        got = run(sharded, n, operand, output, io, sizes, oo, rs, groups=groups)
+        got = run(sharded, n, operand, output, io, sizes, oo, rs, groups=groups, backend=backend)
         want = reference(operand, output, io, sizes, oo, rs, groups, m)
         np.testing.assert_array_equal(got, want)
 
 
-def test_grad_operand_and_output(sharded, n, rng):
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_grad_operand_and_output(sharded, n, rng, backend):
+    needs_backend(backend)
     sizes, io, oo, rs, groups, m = make_case(rng, n)
     operand = rng.standard_normal((n, N_ROWS, D)).astype(np.float32)
     output = rng.standard_normal((n, M_ROWS, D)).astype(np.float32)
@@ -137,7 +141,7 @@ def test_grad_operand_and_output(sharded, n, rng):
 
     def loss(a, b, c, io_, ss_, oo_, rs_):
         y = ep_comm.ragged_all_to_all(a, b, io_, ss_, oo_, rs_, axis_name="ep",
-                                      backend="portable")
+                                      backend=backend)
         return jax.lax.psum(jnp.sum(y * c), "ep")
 
     def f(*args):
@@ -160,7 +164,9 @@ def test_grad_operand_and_output(sharded, n, rng):
     np.testing.assert_allclose(gb.reshape(want_b.shape), want_b, rtol=0, atol=0)
 
 
-def test_jvp_is_exchange_of_tangents(sharded, n, rng):
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_jvp_is_exchange_of_tangents(sharded, n, rng, backend):
+    needs_backend(backend)
     sizes, io, oo, rs, groups, m = make_case(rng, n)
     a, b, ta, tb = (rng.standard_normal((n * r, D)).astype(np.float32)
                     for r in (N_ROWS, M_ROWS, N_ROWS, M_ROWS))
@@ -168,7 +174,7 @@ def test_jvp_is_exchange_of_tangents(sharded, n, rng):
 
     def f(a, b, ta, tb, *ints):
         g = lambda a, b: ep_comm.ragged_all_to_all(a, b, *ints, axis_name="ep",
-                                                   backend="portable")
+                                                   backend=backend)
         _, t_out = jax.jvp(g, (a, b), (ta, tb))
         return t_out, g(ta, tb)
 
@@ -182,7 +188,9 @@ def rank_major(per_batch):
     return x.reshape(-1, *x.shape[3:]) if x.ndim > 3 else x.reshape(-1)
 
 
-def test_vmap_over_a_batch(sharded, n, rng):
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_vmap_over_a_batch(sharded, n, rng, backend):
+    needs_backend(backend)
     batch = 3
     cases = [make_case(rng, n) for _ in range(batch)]
     datas = [data(rng, n, "float32") for _ in range(batch)]
@@ -190,7 +198,7 @@ def test_vmap_over_a_batch(sharded, n, rng):
     def f(a, b, *ints):
         a, b = a.reshape(batch, N_ROWS, D), b.reshape(batch, M_ROWS, D)
         ints = [x.reshape(batch, -1) for x in ints]
-        g = lambda *z: ep_comm.ragged_all_to_all(*z, axis_name="ep", backend="portable")
+        g = lambda *z: ep_comm.ragged_all_to_all(*z, axis_name="ep", backend=backend)
         return jax.vmap(g)(a, b, *ints).reshape(-1, D)
 
     args = [rank_major([d[0] for d in datas]), rank_major([d[1] for d in datas])]
