@@ -142,7 +142,9 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     results = []
     smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     avail = collectives.available()
-    for backend in backends or [b for b in ("portable", "xla") if avail[b] is None]:
+    usable = [b for b in ("nccl", "portable", "xla", "mpi") if avail[b] is None
+              and (b != "mpi" or jax.local_device_count() == 1)]
+    for backend in backends or usable:
         cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
                                backend=backend)
         disp = smap(functools.partial(ep_comm.dispatch, config=cfg))

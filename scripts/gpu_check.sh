@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything one GPU can show, in one go (for the device machine; no install, no internet):
-# the test suite on the GPU (xla and portable backends), the example, and the benchmark at a
-# DeepSeek-V3-like single-rank config. Output tables and JSON land in ${OUT:-out}/.
+# build the native engine, the test suite on the GPU (nccl, xla and portable backends), the
+# exchange benchmark (engine vs device copy vs lax.ragged_all_to_all, overlap with a profile),
+# and the dispatch/combine benchmark at a DeepSeek-V3-like single-rank config.
+# Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -9,12 +11,18 @@ export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYT
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+echo "== build (the package's CMake project, copied in-tree so PYTHONPATH finds it)"
+t0=$(date +%s)
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
+  > "$OUT/build.txt" 2>&1 && cmake --build build >> "$OUT/build.txt" 2>&1 \
+  && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
+grep "ep_comm:" "$OUT/build.txt"; echo "built in $(( $(date +%s) - t0 )) s"
+"$PY" -c "import collectives; print(collectives.available())" | tee -a "$OUT/gpu.txt"
 echo "== tests on $("$PY" -c 'import jax; print(jax.device_count())') GPU(s)"
-"$PY" -m pytest -q -p no:cacheprovider --timeout 600 -x tests 2>&1 | tail -15 | tee "$OUT/tests.txt"
-echo "== example"
-"$PY" examples/moe_transformer.py --steps 100 2>&1 | tail -4 | tee "$OUT/example.txt"
-echo "== bench"
-for t in 4096 8192; do
-  "$PY" -m ep_comm.bench --tokens $t --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
-    --iters 20 --json "$OUT/bench_T$t.json" 2>&1 | tee "$OUT/bench_T$t.txt"
-done
+"$PY" -m pytest -q -p no:cacheprovider --timeout 600 ${EP_COMM_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/tests.txt"
+echo "== exchange bench"
+"$PY" -m collectives.bench --rows 4096,32768 --hidden 7168 --overlap --profile "$OUT/profile" \
+  --json "$OUT/exchange.json" 2>&1 | tee "$OUT/exchange.txt"
+echo "== dispatch/combine bench"
+"$PY" -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
+  --routing uniform --iters 20 --json "$OUT/bench_T4096.json" 2>&1 | tee "$OUT/bench_T4096.txt"

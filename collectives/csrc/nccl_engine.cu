@@ -309,14 +309,18 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
       recv_sizes.typed_data(), n, m, K, row_bytes, tag, n_in, n_out, mine);
   EP_CUDA(cudaGetLastError(), "launching the metadata kernel");
   const int64_t* self_msg = mine + static_cast<int64_t>(me) * L;
-  if (row_bytes > 0) {
+  // EP_COMM_NCCL_SELF=1 sends the self segment through the host path and NCCL like any peer's
+  // (a diagnostic: on one GPU it shows what the multi-rank path costs per call).
+  const char* via = std::getenv("EP_COMM_NCCL_SELF");
+  const bool self_via_nccl = via != nullptr && via[0] == '1';
+  if (row_bytes > 0 && !self_via_nccl) {
     launch_self_copy(st, in, out, row_bytes, std::min(n_in, n_out), self_msg, m);
     EP_CUDA(cudaGetLastError(), "launching the self-copy kernel");
   }
 
   Plan plan;
-  if (n > 1) {
-    EP_NCCL(ncclGroupStart(), "ncclGroupStart");
+  if (n > 1 || self_via_nccl) {
+    if (n > 1) EP_NCCL(ncclGroupStart(), "ncclGroupStart");
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
       EP_NCCL(ncclSend(mine + static_cast<int64_t>(p) * L, L, ncclInt64, p, st.comm, st.stream),
@@ -324,7 +328,7 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
       EP_NCCL(ncclRecv(theirs + static_cast<int64_t>(p) * L, L, ncclInt64, p, st.comm, st.stream),
               "ncclRecv of metadata from peer " + std::to_string(p));
     }
-    EP_NCCL(ncclGroupEnd(), "ncclGroupEnd (metadata)");
+    if (n > 1) EP_NCCL(ncclGroupEnd(), "ncclGroupEnd (metadata)");
     ffi::Error e = ensure_host(st, static_cast<size_t>(2) * n * L);
     if (e.failure()) return ffi::Error::Internal(where + ": " + e.message());
     const int64_t seq = ++st.seq;
@@ -342,7 +346,7 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
       plan_pair(pair, h_mine + static_cast<int64_t>(p) * L, h_theirs + static_cast<int64_t>(p) * L, me,
                 p, m);
       plan.errors.insert(plan.errors.end(), pair.errors.begin(), pair.errors.end());
-      if (p == me) continue;  // the self-copy kernel moved these
+      if (p == me && !self_via_nccl) continue;  // the self-copy kernel moved these
       plan.sends.insert(plan.sends.end(), pair.sends.begin(), pair.sends.end());
       plan.recvs.insert(plan.recvs.end(), pair.recvs.begin(), pair.recvs.end());
     }

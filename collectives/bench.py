@@ -1,0 +1,225 @@
+"""Benchmark of the ragged exchange itself, nccl-tests style: ``python -m collectives.bench``.
+
+Every rank holds ``--rows`` rows of ``--hidden`` elements and sends ``rows / n`` to every rank
+(itself included) with ``ragged_all_to_all``. Side by side in one run, for every transport that runs
+here: ``ep_comm/<backend>``; on GPUs also ``device copy`` (one ``cudaMemcpyAsync`` of the same
+bytes: the ceiling on one GPU) and ``ep_comm/nccl host path`` (``EP_COMM_NCCL_SELF=1``: the
+metadata round trip through the host and NCCL's own self send/recv, i.e. what every call costs once
+there are peers). Columns: median time, ``algbw`` = bytes a rank sends / time, ``busbw = algbw *
+(n - 1) / n``, ``#wrong`` elements against numpy, ``x copy`` = time / device copy time.
+
+``--overlap`` adds the overlap check: a matmul alone, the exchange alone, and both in one program
+(independent of each other); with the exchange on its own stream the two together take about the
+longer of the two, not their sum. ``--profile DIR`` writes a JAX profiler trace of that program and
+prints, from it, the GPU kernels of each stream and how long the exchange's kernels ran while a
+matmul kernel was running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import gzip
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import collectives
+import ep_comm
+from ep_comm.bench import _median_us, hardware
+
+AXIS = "ep"
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def uniform_plan(n: int, rows: int):
+    """Per-rank index arrays (n, n): rank s sends rows/n rows to each rank d."""
+    per = rows // n
+    io = np.tile(np.arange(n) * per, (n, 1))
+    ss = np.full((n, n), per)
+    oo = np.tile((np.arange(n) * per)[:, None], (1, n))
+    return [a.astype(np.int32) for a in (io, ss, oo, ss.copy())]
+
+
+def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bool,
+        profile: str | None):
+    mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    n = mesh.shape[AXIS]
+    rows -= rows % n
+    dt = jnp.dtype(dtype)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n * rows, hidden)).astype(dt)
+    spec = NamedSharding(mesh, P(AXIS))
+    put = lambda a: ep_comm.distributed.global_array(a, spec)
+    plan = uniform_plan(n, rows)
+    want = x.reshape(n, n, rows // n, hidden).swapaxes(0, 1).reshape(n * rows, hidden)
+    args = [put(x), put(np.zeros_like(x))] + [put(a.reshape(-1)) for a in plan]
+    smap = lambda f, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS),
+                                                 out_specs=P(AXIS)), **kw)
+    nbytes = rows * hidden * dt.itemsize
+    gpu = jax.default_backend() in ("cuda", "gpu")
+    results = []
+
+    def measure(impl, fn, fargs, check=True):
+        out = fn(*fargs)
+        wrong = (int(np.sum(ep_comm.distributed.to_host(out) != want)) if check else 0)
+        t = _median_us(fn, fargs, warmup, iters)
+        results.append(dict(impl=impl, time_us=t, bytes=nbytes, wrong=wrong))
+
+    if gpu:
+        measure("device copy", smap(collectives.native.device_copy), args[:1])
+    rows_ = []
+    avail = collectives.available()
+    for backend in ("nccl", "xla", "portable", "mpi"):
+        if avail[backend] is not None or (backend == "mpi" and jax.local_device_count() != 1):
+            continue
+        fn = lambda *a, b=backend: ep_comm.ragged_all_to_all(*a, axis_name=AXIS, backend=b)
+        measure(f"ep_comm/{backend}", smap(fn), args)
+        rows_.append(backend)
+        if backend == "nccl" and n == 1:
+            with _env("EP_COMM_NCCL_SELF", "1"):
+                fn2 = lambda *a: ep_comm.ragged_all_to_all(*a, axis_name=AXIS, backend="nccl")
+                measure("ep_comm/nccl host path", smap(fn2), args)
+    copy_t = next((r["time_us"] for r in results if r["impl"] == "device copy"), None)
+    for r in results:
+        r["algbw_GBps"] = r["bytes"] / (r["time_us"] * 1e3)
+        r["busbw_GBps"] = r["algbw_GBps"] * (n - 1) / n
+        r["x_copy"] = r["time_us"] / copy_t if copy_t else None
+
+    report = dict(ranks=n, rows=rows, hidden=hidden, dtype=dtype, hardware=hardware(),
+                  warmup=warmup, iters=iters, results=results)
+    backend = "nccl" if "nccl" in rows_ else (rows_[0] if rows_ else None)
+    if overlap and backend:
+        report["overlap"] = _overlap(smap, put, args, backend, hidden, dt, n, warmup, iters,
+                                     profile)
+    return report
+
+
+def _overlap(smap, put, args, backend, hidden, dt, n, warmup, iters, profile):
+    """Time a matmul, the exchange, and both (independent) in one program."""
+    m = 4096
+    a = put(np.random.default_rng(1).standard_normal((n * m, hidden)).astype(dt))
+    b = jnp.asarray(np.random.default_rng(2).standard_normal((hidden, hidden)).astype(dt))
+
+    def mm(a):
+        for _ in range(4):
+            a = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dt)
+        return a
+
+    def ex(*z):
+        return ep_comm.ragged_all_to_all(*z, axis_name=AXIS, backend=backend)
+
+    def both(a, *z):
+        return mm(a), ex(*z)
+
+    f_mm = smap(mm)
+    f_ex = smap(ex)
+    f_both = jax.jit(jax.shard_map(both, mesh=args[0].sharding.mesh, in_specs=P(AXIS),
+                                   out_specs=(P(AXIS), P(AXIS))))
+    t_mm = _median_us(f_mm, (a,), warmup, iters)
+    t_ex = _median_us(f_ex, args, warmup, iters)
+    t_both = _median_us(f_both, (a, *args), warmup, iters)
+    out = dict(backend=backend, matmul_us=t_mm, exchange_us=t_ex, both_us=t_both,
+               hidden_us=t_mm + t_ex - t_both)
+    if profile:
+        os.makedirs(profile, exist_ok=True)
+        with jax.profiler.trace(profile):
+            for _ in range(3):
+                jax.block_until_ready(f_both(a, *args))
+        out["trace"] = _trace_summary(profile)
+    return out
+
+
+def _trace_summary(folder):
+    """GPU kernels per stream in the trace, and the time exchange kernels overlapped a matmul."""
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        return {"error": f"no *.trace.json.gz under {folder}"}
+    with gzip.open(files[-1]) as f:
+        events = json.load(f).get("traceEvents", [])
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[(e["pid"], e["tid"])] = e["args"]["name"]
+    kernels = [e for e in events if e.get("ph") == "X" and "Stream" in names.get(
+        (e.get("pid"), e.get("tid")), "")]
+    is_comm = lambda k: any(s in k["name"] for s in ("self_copy", "nccl", "pack_kernel",
+                                                      "publish_kernel"))
+    is_mm = lambda k: any(s in k["name"].lower() for s in ("gemm", "nvjet", "cutlass", "matmul",
+                                                            "sm90"))
+    comm = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if is_comm(k)]
+    mms = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if is_mm(k)]
+    both = sum(max(0.0, min(c1, m1) - max(c0, m0)) for c0, c1 in comm for m0, m1 in mms)
+    streams = {}
+    for k in kernels:
+        s = names[(k["pid"], k["tid"])]
+        streams.setdefault(s, set()).add(k["name"][:60])
+    return dict(file=os.path.relpath(files[-1], folder), exchange_kernel_us=sum(b - a for a, b in comm),
+                matmul_kernel_us=sum(b - a for a, b in mms), overlapped_us=both,
+                streams={s: sorted(v)[:6] for s, v in streams.items()})
+
+
+def table(rep) -> str:
+    lines = [f"# ragged exchange: {rep['ranks']} rank(s), {rep['rows']} rows x {rep['hidden']} "
+             f"{rep['dtype']} per rank, rows/n to every rank (self included)",
+             f"# {rep['hardware']}", f"# median of {rep['iters']} after {rep['warmup']} warm-up",
+             f"{'impl':<26}{'time(us)':>11}{'algbw':>9}{'busbw':>9}{'#wrong':>8}{'x copy':>8}"]
+    for r in rep["results"]:
+        xc = f"{r['x_copy']:>8.2f}" if r["x_copy"] else f"{'-':>8}"
+        lines.append(f"{r['impl']:<26}{r['time_us']:>11.1f}{r['algbw_GBps']:>9.1f}"
+                     f"{r['busbw_GBps']:>9.1f}{r['wrong']:>8d}{xc}")
+    if "overlap" in rep:
+        o = rep["overlap"]
+        lines.append(f"# overlap ({o['backend']}): matmul {o['matmul_us']:.1f} us, exchange "
+                     f"{o['exchange_us']:.1f} us, both in one program {o['both_us']:.1f} us "
+                     f"(hidden: {o['hidden_us']:.1f} us)")
+        if "trace" in o:
+            lines.append(f"# trace: {json.dumps(o['trace'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="ragged exchange benchmark (nccl-tests style)")
+    ap.add_argument("--rows", default="4096", help="rows per rank, comma-separated sizes")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--profile", default=None, help="write a profiler trace here (with --overlap)")
+    ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    ep_comm.distributed.initialize(local_device_count=args.devices)
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    reports = []
+    for rows in map(int, args.rows.split(",")):
+        rep = run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap, args.profile)
+        reports.append(rep)
+        if jax.process_index() == 0:
+            print(table(rep), flush=True)
+    if args.json and jax.process_index() == 0:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+    return reports
+
+
+if __name__ == "__main__":
+    main()
