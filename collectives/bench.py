@@ -59,7 +59,7 @@ def uniform_plan(n: int, rows: int):
 
 
 def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bool,
-        profile: str | None):
+        profile: str | None, inner: int = 10):
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     n = mesh.shape[AXIS]
     rows -= rows % n
@@ -77,26 +77,34 @@ def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bo
     gpu = jax.default_backend() in ("cuda", "gpu")
     results = []
 
-    def measure(impl, fn, fargs, check=True):
-        out = fn(*fargs)
-        wrong = (int(np.sum(ep_comm.distributed.to_host(out) != want)) if check else 0)
-        t = _median_us(fn, fargs, warmup, iters)
+    def looped(op):
+        """``inner`` ops in one program, each reading the last one's result and writing into the
+        buffer the one before read (so no op needs a fresh or copied output buffer)."""
+        def f(a, b, *rest):
+            body = lambda _, ab: (op(ab[0], ab[1], *rest), ab[0])
+            return jax.lax.fori_loop(0, inner, body, (a, b))[0]
+        return smap(f)
+
+    def measure(impl, op, fargs, expect=want):
+        out = smap(op)(*fargs)
+        wrong = int(np.sum(ep_comm.distributed.to_host(out) != expect))
+        t = _median_us(looped(op), fargs, warmup, iters) / inner
         results.append(dict(impl=impl, time_us=t, bytes=nbytes, wrong=wrong))
 
-    if gpu:
-        measure("device copy", smap(collectives.native.device_copy), args[:1])
+    if gpu:  # a copy is no exchange: it is checked against its input
+        measure("device copy", lambda a, b, *_: collectives.native.device_copy(a), args[:2], x)
     rows_ = []
     avail = collectives.available()
     for backend in ("nccl", "xla", "portable", "mpi"):
         if avail[backend] is not None or (backend == "mpi" and jax.local_device_count() != 1):
             continue
         fn = lambda *a, b=backend: ep_comm.ragged_all_to_all(*a, axis_name=AXIS, backend=b)
-        measure(f"ep_comm/{backend}", smap(fn), args)
+        measure(f"ep_comm/{backend}", fn, args)
         rows_.append(backend)
         if backend == "nccl" and n == 1:
             with _env("EP_COMM_NCCL_SELF", "1"):
                 fn2 = lambda *a: ep_comm.ragged_all_to_all(*a, axis_name=AXIS, backend="nccl")
-                measure("ep_comm/nccl host path", smap(fn2), args)
+                measure("ep_comm/nccl host path", fn2, args)
     copy_t = next((r["time_us"] for r in results if r["impl"] == "device copy"), None)
     for r in results:
         r["algbw_GBps"] = r["bytes"] / (r["time_us"] * 1e3)
@@ -104,7 +112,7 @@ def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bo
         r["x_copy"] = r["time_us"] / copy_t if copy_t else None
 
     report = dict(ranks=n, rows=rows, hidden=hidden, dtype=dtype, hardware=hardware(),
-                  warmup=warmup, iters=iters, results=results)
+                  warmup=warmup, iters=iters, inner=inner, results=results)
     backend = "nccl" if "nccl" in rows_ else (rows_[0] if rows_ else None)
     if overlap and backend:
         report["overlap"] = _overlap(smap, put, args, backend, hidden, dt, n, warmup, iters,
@@ -126,8 +134,12 @@ def _overlap(smap, put, args, backend, hidden, dt, n, warmup, iters, profile):
     def ex(*z):
         return ep_comm.ragged_all_to_all(*z, axis_name=AXIS, backend=backend)
 
-    def both(a, *z):
-        return mm(a), ex(*z)
+    def both(a, *z):  # start; matmul; done -- pinned in that order by optimization barriers
+        pending = ep_comm.ragged_all_to_all_start(*z, axis_name=AXIS, backend=backend)
+        a, pending = jax.lax.optimization_barrier((a, pending))
+        y = mm(a)
+        y, pending = jax.lax.optimization_barrier((y, pending))
+        return y, ep_comm.ragged_all_to_all_done(pending)
 
     f_mm = smap(mm)
     f_ex = smap(ex)
@@ -179,7 +191,9 @@ def _trace_summary(folder):
 def table(rep) -> str:
     lines = [f"# ragged exchange: {rep['ranks']} rank(s), {rep['rows']} rows x {rep['hidden']} "
              f"{rep['dtype']} per rank, rows/n to every rank (self included)",
-             f"# {rep['hardware']}", f"# median of {rep['iters']} after {rep['warmup']} warm-up",
+             f"# {rep['hardware']}",
+             f"# per op: median of {rep['iters']} programs (after {rep['warmup']} warm-up) of "
+             f"{rep['inner']} back-to-back ops each, divided by {rep['inner']}",
              f"{'impl':<26}{'time(us)':>11}{'algbw':>9}{'busbw':>9}{'#wrong':>8}{'x copy':>8}"]
     for r in rep["results"]:
         xc = f"{r['x_copy']:>8.2f}" if r["x_copy"] else f"{'-':>8}"
@@ -202,6 +216,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--inner", type=int, default=10, help="ops per timed program")
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--profile", default=None, help="write a profiler trace here (with --overlap)")
     ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
@@ -211,7 +226,8 @@ def main(argv=None):
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     reports = []
     for rows in map(int, args.rows.split(",")):
-        rep = run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap, args.profile)
+        rep = run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap, args.profile,
+                  args.inner)
         reports.append(rep)
         if jax.process_index() == 0:
             print(table(rep), flush=True)

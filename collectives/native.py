@@ -175,8 +175,12 @@ def device_groups(mesh, axis_name: tuple, axis_index_groups=None) -> list[list]:
     return rows
 
 
-def _lower(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, label, tag,
-           platform):
+def _workspace_aval(transport, n, k):
+    size = 2 * n * (6 + 4 * (k // n)) if transport == "nccl" else 1
+    return jax.core.ShapedArray((size,), np.int64)
+
+
+def _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform):
     if _PLATFORM[transport] != platform:
         raise ValueError(f"{label}: backend={transport!r} runs on {_PLATFORM[transport]}, but this "
                          f"program is being compiled for {platform}")
@@ -185,22 +189,48 @@ def _lower(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, 
         raise ValueError(f"{label}: backend={transport!r} runs inside jax.shard_map over a "
                          f"concrete mesh (found axis context "
                          f"{type(ctx.module_context.axis_context).__name__})")
-    key = bootstrap.communicator(transport,
-                                 device_groups(mesh, axis_name, axis_index_groups))
-    attrs = dict(comm_key=np.int64(key), label=label)
-    if transport == "mpi":
+    groups = device_groups(mesh, axis_name, axis_index_groups)
+    return bootstrap.communicator(transport, groups), len(groups[0])
+
+
+def _lower_start(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, label, tag,
+                 op_id, platform):
+    """The exchange's first custom call; returns (result, workspace) IR values."""
+    key, n = _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform)
+    ws_aval = _workspace_aval(transport, n, ctx.avals_in[2].shape[0])
+    attrs = dict(comm_key=np.int64(key), label=label, tag=np.int64(tag))
+    if transport == "mpi":  # synchronous: the whole exchange happens here
         rule = jax.ffi.ffi_lowering("ep_comm_mpi_exchange", operand_output_aliases={1: 0})
-        return rule(ctx, operand, output, *idx, tag=np.int64(tag), **attrs)
-    n = len(device_groups(mesh, axis_name, axis_index_groups)[0])
-    k = ctx.avals_in[2].shape[0]
-    ws_aval = jax.core.ShapedArray((2 * n * (6 + 4 * (k // n)),), np.int64)
-    op_id = np.int64(next(_op_ids))
+        (result,) = rule(ctx.replace(avals_out=[ctx.avals_in[1]]), operand, output, *idx, **attrs)
+        return result, mlir.ir_constant(np.zeros(ws_aval.shape, np.int64))
     start = jax.ffi.ffi_lowering("ep_comm_nccl_start", operand_output_aliases={1: 0})
-    result, workspace = start(ctx.replace(avals_out=[ctx.avals_out[0], ws_aval]), operand, output,
-                              *idx, tag=np.int64(tag), op_id=op_id, **attrs)
+    result, workspace = start(ctx.replace(avals_out=[ctx.avals_in[1], ws_aval]), operand, output,
+                              *idx, op_id=np.int64(op_id), **attrs)
+    return result, workspace
+
+
+def _lower_done(ctx, result, workspace, operand, *idx, transport, axis_name, axis_index_groups,
+                label, op_id, platform, result_aval, ws_aval, in_avals):
+    if transport == "mpi":
+        return [result]
+    key, _ = _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform)
     done = jax.ffi.ffi_lowering("ep_comm_nccl_done", operand_output_aliases={0: 0})
-    done_ctx = ctx.replace(avals_in=[ctx.avals_out[0], ws_aval, ctx.avals_in[0], *ctx.avals_in[2:]])
-    return done(done_ctx, result, workspace, operand, *idx, op_id=op_id, **attrs)
+    done_ctx = ctx.replace(avals_in=[result_aval, ws_aval, *in_avals], avals_out=[result_aval])
+    return done(done_ctx, result, workspace, operand, *idx, comm_key=np.int64(key),
+                op_id=np.int64(op_id), label=label)
+
+
+def _lower(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, label, tag,
+           platform):
+    """The fused exchange: start and done back to back (ordered by data dependence)."""
+    op_id = next(_op_ids)
+    common = dict(transport=transport, axis_name=axis_name, axis_index_groups=axis_index_groups,
+                  label=label, op_id=op_id, platform=platform)
+    result, workspace = _lower_start(ctx, operand, output, *idx, tag=tag, **common)
+    n = len(device_groups(ctx.module_context.axis_context.mesh, axis_name, axis_index_groups)[0])
+    ws_aval = _workspace_aval(transport, n, ctx.avals_in[2].shape[0])
+    return _lower_done(ctx, result, workspace, operand, *idx, result_aval=ctx.avals_out[0],
+                       ws_aval=ws_aval, in_avals=[ctx.avals_in[0], *ctx.avals_in[2:]], **common)
 
 
 ragged_exchange_p.def_impl(_impl)
@@ -212,6 +242,89 @@ mlir.register_lowering(ragged_exchange_p, lambda ctx, *a, **p: _lower(ctx, *a, p
                        platform="cpu")
 mlir.register_lowering(ragged_exchange_p, lambda ctx, *a, **p: _lower(ctx, *a, platform="cuda", **p),
                        platform="cuda")
+
+
+# --- the async pair, for callers that place work between start and done --------------------------
+
+exchange_start_p = Primitive("ep_comm_ragged_exchange_start")
+exchange_start_p.multiple_results = True
+exchange_done_p = Primitive("ep_comm_ragged_exchange_done")
+
+
+def _group_size(axis_name, axis_index_groups):
+    from ep_comm._compat import axis_size
+    return (len(axis_index_groups[0]) if axis_index_groups
+            else axis_size(axis_name, "ragged_all_to_all_start"))
+
+
+def _start_abstract_eval(operand, output, *idx, transport, axis_name, axis_index_groups, **p):
+    from jax._src import core
+    n = _group_size(axis_name, axis_index_groups)
+    return ([output.update(shape=output.shape, weak_type=False),
+             _workspace_aval(transport, n, idx[0].shape[0])],
+            {*map(core.NamedAxisEffect, axis_name)})
+
+
+def _done_abstract_eval(result, workspace, *keep, axis_name, **p):
+    from jax._src import core
+    return result, {*map(core.NamedAxisEffect, axis_name)}
+
+
+def _no_rule(what):
+    def rule(*args, **kwargs):
+        raise NotImplementedError(
+            f"ragged_all_to_all_start/done do not support {what}; use ep_comm.ragged_all_to_all "
+            f"(the same engine, start and done fused) inside grad/jvp/vmap")
+    return rule
+
+
+exchange_start_p.def_impl(_impl)
+exchange_done_p.def_impl(_impl)
+exchange_start_p.def_effectful_abstract_eval(_start_abstract_eval)
+exchange_done_p.def_effectful_abstract_eval(_done_abstract_eval)
+for _p in (exchange_start_p, exchange_done_p):
+    ad.primitive_jvps[_p] = _no_rule("differentiation")
+    batching.primitive_batchers[_p] = _no_rule("vmap")
+
+
+def _start_rule(platform):
+    def rule(ctx, *args, **params):
+        return list(_lower_start(ctx, *args, platform=platform, **params))
+    return rule
+
+
+def _done_rule(platform):
+    def rule(ctx, result, workspace, *keep, **params):
+        return _lower_done(ctx, result, workspace, *keep, platform=platform,
+                           result_aval=ctx.avals_in[0], ws_aval=ctx.avals_in[1],
+                           in_avals=list(ctx.avals_in[2:]), **params)
+    return rule
+
+
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(exchange_start_p, _start_rule(_platform), platform=_platform)
+    mlir.register_lowering(exchange_done_p, _done_rule(_platform), platform=_platform)
+
+
+def exchange_start(transport, operand, output, input_offsets, send_sizes, output_offsets,
+                   recv_sizes, *, axis_name, axis_index_groups=None, label="ragged_all_to_all",
+                   tag=0):
+    """Issue the exchange; returns ``(result, workspace, keep, params)`` for :func:`exchange_done`.
+    ``result`` must not be read before done."""
+    axis_name = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    groups = (tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+              if axis_index_groups else None)
+    idx = [jnp.asarray(x).astype(jnp.int32) for x in
+           (input_offsets, send_sizes, output_offsets, recv_sizes)]
+    params = dict(transport=transport, axis_name=axis_name, axis_index_groups=groups,
+                  label=str(label), op_id=next(_op_ids))
+    result, workspace = exchange_start_p.bind(operand, output, *idx, tag=_tag_value(tag), **params)
+    return result, workspace, (operand, *idx), params
+
+
+def exchange_done(result, workspace, keep, params):
+    """Wait for the exchange issued by :func:`exchange_start`; returns the output."""
+    return exchange_done_p.bind(result, workspace, *keep, **params)
 
 
 def device_copy(x):

@@ -3,6 +3,8 @@
 Public API (everything else is private):
 
 - :func:`ragged_all_to_all` -- ``jax.lax.ragged_all_to_all`` on every platform, ``backend=`` choice.
+- :func:`ragged_all_to_all_start` / :func:`ragged_all_to_all_done` (:class:`PendingExchange`) --
+  the same exchange split in two, so that work placed in between overlaps it.
 - :class:`EPConfig`, :func:`dispatch_layout`, :func:`dispatch`, :func:`combine`, :class:`EPHandle`,
   :func:`check`, :class:`EPOverflowError` -- the MoE token exchange.
 - :mod:`ep_comm.distributed` -- multi-process set-up (``mpirun``) and global-array helpers.
@@ -12,17 +14,21 @@ from ep_comm import distributed
 from ep_comm.config import EPConfig
 from ep_comm.layout import DispatchLayout, dispatch_layout
 from ep_comm.moe import EPHandle, EPOverflowError, check, combine, dispatch
-from ep_comm.ragged import ragged_all_to_all
+from ep_comm.ragged import (PendingExchange, ragged_all_to_all, ragged_all_to_all_done,
+                            ragged_all_to_all_start)
 
 __all__ = [
     "DispatchLayout",
     "EPConfig",
     "EPHandle",
     "EPOverflowError",
+    "PendingExchange",
     "check",
     "combine",
     "dispatch",
     "dispatch_layout",
     "distributed",
     "ragged_all_to_all",
+    "ragged_all_to_all_done",
+    "ragged_all_to_all_start",
 ]

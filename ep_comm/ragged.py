@@ -12,9 +12,11 @@ arrays and have no gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 import collectives
@@ -84,13 +86,9 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
                               backend=backend)
 
 
-def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                       axis_name, axis_index_groups=None, backend="auto",
-                       max_segment_rows: int | None = None, label: str = _API, tag: int = 0):
-    """:func:`ragged_all_to_all` plus what dispatch and combine know: ``max_segment_rows``, a
-    static bound on every ``send_sizes`` entry (the portable transport sizes its slots with it);
-    ``label``, the operation's name in errors and profiles; ``tag``, a fingerprint of the caller's
-    configuration that the native engine compares across ranks."""
+def _validate(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
+              axis_index_groups, backend, api=_API):
+    """Check a call; returns (operand, output, index arrays, backend name, transport, groups)."""
     operand = jnp.asarray(operand)
     output = jnp.asarray(output)
     index_arrays = tuple(map(jnp.asarray, (input_offsets, send_sizes, output_offsets, recv_sizes)))
@@ -98,28 +96,88 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
                        index_arrays, strict=True):
         _check_index_array(name, x)
     if operand.ndim < 1 or output.ndim < 1:
-        raise ValueError(f"{_API}: operand and output must have a leading row axis, got shapes "
+        raise ValueError(f"{api}: operand and output must have a leading row axis, got shapes "
                          f"{operand.shape} and {output.shape}")
     if operand.dtype != output.dtype:
-        raise ValueError(f"{_API}: operand and output must have the same dtype, got "
+        raise ValueError(f"{api}: operand and output must have the same dtype, got "
                          f"{operand.dtype} and {output.dtype}")
     if operand.shape[1:] != output.shape[1:]:
-        raise ValueError(f"{_API}: operand and output must agree on every dimension but the first, "
+        raise ValueError(f"{api}: operand and output must agree on every dimension but the first, "
                          f"got shapes {operand.shape} and {output.shape}")
     lengths = {a.shape[0] for a in index_arrays}
     if len(lengths) != 1:
-        raise ValueError(f"{_API}: input_offsets, send_sizes, output_offsets and recv_sizes must "
+        raise ValueError(f"{api}: input_offsets, send_sizes, output_offsets and recv_sizes must "
                          f"have the same length, got "
                          f"{', '.join(str(tuple(a.shape)) for a in index_arrays)}")
-    _, transport = collectives.resolve(backend, caller=_API)
-    axis_n = axis_size(axis_name, _API)
-    groups = canonical_groups(axis_index_groups, axis_n)
+    name, transport = collectives.resolve(backend, caller=api)
+    axis_n = axis_size(axis_name, api)
+    groups = canonical_groups(axis_index_groups, axis_n, api)
     group_n = len(groups[0]) if groups else axis_n
     (k,) = lengths
     if k % group_n:
-        raise ValueError(f"{_API}: the offsets and sizes have length {k}, which is not a multiple of "
+        raise ValueError(f"{api}: the offsets and sizes have length {k}, which is not a multiple of "
                          f"the number of participants {group_n} (axis {axis_name!r}"
                          f"{' groups' if groups else ''})")
-    return transport(operand, output, *index_arrays, axis_name=axis_name,
-                     axis_index_groups=[list(g) for g in groups] if groups else None,
+    return (operand, output, index_arrays, name, transport,
+            [list(g) for g in groups] if groups else None)
+
+
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                       axis_name, axis_index_groups=None, backend="auto",
+                       max_segment_rows: int | None = None, label: str = _API, tag: int = 0):
+    """:func:`ragged_all_to_all` plus what dispatch and combine know: ``max_segment_rows``, a
+    static bound on every ``send_sizes`` entry (the portable transport sizes its slots with it);
+    ``label``, the operation's name in errors and profiles; ``tag``, a fingerprint of the caller's
+    configuration that the native engine compares across ranks."""
+    operand, output, idx, _, transport, groups = _validate(
+        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
+        axis_index_groups, backend)
+    return transport(operand, output, *idx, axis_name=axis_name, axis_index_groups=groups,
                      max_segment_rows=max_segment_rows, label=label, tag=tag)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingExchange:
+    """An exchange issued by :func:`ragged_all_to_all_start`; pass it to
+    :func:`ragged_all_to_all_done`. Its arrays are the engine's (the result being written, its
+    metadata workspace, and the inputs kept alive until done); do not read them."""
+    result: jax.Array
+    workspace: jax.Array
+    keep: tuple
+    params: dict = dataclasses.field(metadata=dict(static=True))
+
+
+def ragged_all_to_all_start(operand, output, input_offsets, send_sizes, output_offsets,
+                            recv_sizes, *, axis_name, axis_index_groups=None,
+                            backend: str = "auto") -> PendingExchange:
+    """Issue :func:`ragged_all_to_all` and return at once; finish with
+    :func:`ragged_all_to_all_done`.
+
+    With ``backend="nccl"`` the exchange runs on the engine's own CUDA stream from start to done,
+    so work issued in between overlaps it. To keep XLA from moving that work before start or after
+    done, thread it through ``lax.optimization_barrier`` together with the pending exchange (see
+    ``collectives/bench.py``). Other backends do the whole exchange in start. Not differentiable:
+    use :func:`ragged_all_to_all` under ``grad``.
+    """
+    api = "ragged_all_to_all_start"
+    operand, output, idx, name, transport, groups = _validate(
+        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
+        axis_index_groups, backend, api)
+    if name in collectives.native.TRANSPORTS:
+        result, ws, keep, params = collectives.native.exchange_start(
+            name, operand, output, *idx, axis_name=axis_name, axis_index_groups=groups)
+        return PendingExchange(result, ws, keep, params)
+    result = transport(operand, output, *idx, axis_name=axis_name, axis_index_groups=groups)
+    return PendingExchange(result, jnp.zeros((0,), jnp.int32), (), {})
+
+
+def ragged_all_to_all_done(pending: PendingExchange):
+    """Wait for an exchange issued by :func:`ragged_all_to_all_start`; returns its output."""
+    if not isinstance(pending, PendingExchange):
+        raise TypeError(f"ragged_all_to_all_done: expected the PendingExchange returned by "
+                        f"ragged_all_to_all_start, got {type(pending).__name__}")
+    if not pending.params:
+        return pending.result
+    return collectives.native.exchange_done(pending.result, pending.workspace, pending.keep,
+                                            pending.params)

@@ -45,7 +45,8 @@ def test_portable_dispatch_gathers_only_counts_and_sends_T_rows_per_peer(mesh, n
     gathers = [t for op, t in ops if op == "all_gather"]
     assert gathers == [f"tensor<1x2x{n}xi32>"]  # the n x n token/pair count matrix, nothing else
     a2a = [t for op, t in ops if op == "all_to_all"]
-    assert f"tensor<{n}x{T}x{H}xbf16>" in a2a  # tokens: one slot of T rows per peer, bf16 on wire
+    if n > 1:  # JAX lowers an all_to_all over one device to nothing
+        assert f"tensor<{n}x{T}x{H}xbf16>" in a2a  # tokens: a slot of T rows per peer, bf16 wire
     assert not any(op == "ragged_all_to_all" for op, _ in ops)
     assert all(not t.endswith(f"x{H}xf32>") for t in a2a)  # no upcast of the payload
 
@@ -54,5 +55,6 @@ def test_xla_backend_lowers_to_native_ragged_all_to_all(mesh, n):
     if collectives.available()["xla"] is not None:
         pytest.skip(collectives.available()["xla"])
     ops = collectives_in(lowered_dispatch(mesh, n, "xla"))
-    assert sum(op == "ragged_all_to_all" for op, _ in ops) == 3  # tokens, expert ids, weights
+    # tokens, then weights and expert ids together
+    assert sum(op == "ragged_all_to_all" for op, _ in ops) == 2
     assert not any(op == "all_to_all" and t.endswith(f"x{H}xbf16>") for op, t in ops)

@@ -319,3 +319,54 @@ def test_auto_picks_nccl_on_gpus_where_built():
     nccl_reason = collectives.available("cuda")["nccl"]
     assert collectives.resolve("auto", "cuda")[0] == ("nccl" if nccl_reason is None else "portable")
     assert collectives.resolve("xla", "cuda")[0] == "xla"
+
+
+# ---- the async pair ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_start_done_equals_the_fused_exchange(sharded, n, rng, backend):
+    needs_backend(backend)
+    sizes, io, oo, rs, groups, m = make_case(rng, n)
+    operand, output = data(rng, n, "float32")
+    b = rng.standard_normal((D, D)).astype(np.float32)
+
+    def f(a, out, *ints):
+        pending = ep_comm.ragged_all_to_all_start(a, out, *ints, axis_name="ep", backend=backend)
+        a, pending = jax.lax.optimization_barrier((a, pending))
+        y = a @ b  # work between start and done
+        y, pending = jax.lax.optimization_barrier((y, pending))
+        return ep_comm.ragged_all_to_all_done(pending), y
+
+    args = [operand.reshape(-1, D), output.reshape(-1, D)]
+    args += [x.astype(np.int32).reshape(-1) for x in (io, sizes, oo, rs)]
+    got, y = sharded.get(sharded.smap(f)(*sharded.put(*args)))
+    want = reference(operand, output, io, sizes, oo, rs, groups, m)
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
+    np.testing.assert_allclose(y, operand.reshape(-1, D) @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_done_needs_a_pending_exchange():
+    with pytest.raises(TypeError, match=re.escape(
+            "ragged_all_to_all_done: expected the PendingExchange returned by "
+            "ragged_all_to_all_start, got ndarray")):
+        ep_comm.ragged_all_to_all_done(np.zeros(3))
+
+
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+def test_start_done_say_how_to_differentiate(sharded, n, rng, backend):
+    needs_backend(backend)
+    sizes, io, oo, rs, groups, m = make_case(rng, n)
+    operand, output = data(rng, n, "float32")
+    ints = [x.astype(np.int32).reshape(-1) for x in (io, sizes, oo, rs)]
+
+    def f(a, out, *ints):
+        def loss(a):
+            p = ep_comm.ragged_all_to_all_start(a, out, *ints, axis_name="ep", backend=backend)
+            return jnp.sum(ep_comm.ragged_all_to_all_done(p))
+        return jax.grad(loss)(a)
+
+    with pytest.raises(NotImplementedError, match=re.escape(
+            "ragged_all_to_all_start/done do not support differentiation; use "
+            "ep_comm.ragged_all_to_all (the same engine, start and done fused) inside grad/jvp/vmap")):
+        sharded.smap(f)(*sharded.put(operand.reshape(-1, D), np.zeros_like(output).reshape(-1, D),
+                                      *ints))
