@@ -23,9 +23,19 @@ setup() {
     echo "== creating $VENV"
     "$PY" -m venv "$VENV"
   fi
-  echo "== installing ep_comm[$1] into $VENV"
+  echo "== installing ep_comm[$1] into $VENV (with its native engine: MPI if found, CUDA/NCCL if nvcc)"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$VENV/bin/python" -m pip install -q -e ".[$1]"
+  # The native build reads the XLA FFI headers from the installed jax and NCCL's headers from the
+  # nvidia-nccl wheel, so it builds inside the venv (no isolated build env to download jax into).
+  local build_deps=("scikit-build-core>=0.10" "nanobind>=2" "jax>=0.10" "mpi4py>=4.0")
+  command -v ninja >/dev/null || build_deps+=(ninja)
+  if command -v nvcc >/dev/null; then
+    local cu; cu=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+    build_deps+=("nvidia-nccl-cu${cu:-13}")
+  fi
+  "$VENV/bin/python" -m pip install -q "${build_deps[@]}"
+  "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[$1]"
+  "$VENV/bin/python" -c "import collectives; print('   transports:', collectives.available())"
 }
 
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
@@ -43,15 +53,19 @@ case "$what" in
     need_mpi
     setup test,examples
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    PYTEST_ARGS=("$@")
     echo "== single process, 8 CPU devices"
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 600 tests "$@"
-    for np_ in 2 4; do
-      echo "== mpirun -n $np_ (2 CPU devices per process)"
-      # XLA_FLAGS would give every process 8 devices; each process takes EP_COMM_CPU_DEVICES.
-      XLA_FLAGS= EP_COMM_CPU_DEVICES=2 timeout 1800 mpirun -n "$np_" --oversubscribe \
+    # XLA_FLAGS would give every process 8 devices; each process takes EP_COMM_CPU_DEVICES.
+    # One device per process runs the MPI transport (the native engine) next to the others; two
+    # per process covers processes that drive several devices.
+    for run in "2 1" "4 1" "2 2"; do
+      set -- $run; np_=$1; dev=$2; shift 2
+      echo "== mpirun -n $np_ ($dev CPU device(s) per process)"
+      XLA_FLAGS= EP_COMM_CPU_DEVICES=$dev timeout 1800 mpirun -n "$np_" --oversubscribe \
         "$VENV/bin/python" -m pytest --with-mpi -q -p no:cacheprovider --timeout 600 --color=no \
-        tests "$@" 2>&1 | grep -a -v '^\[Gloo\]'
-      [ "${PIPESTATUS[0]}" = 0 ] || { echo "mpirun -n $np_ failed"; exit 1; }
+        tests "${PYTEST_ARGS[@]}" 2>&1 | grep -a -v '^\[Gloo\]'
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "mpirun -n $np_ ($dev device(s) each) failed"; exit 1; }
     done
     ;;
   *)
