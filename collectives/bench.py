@@ -79,11 +79,10 @@ def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bo
     results = []
 
     def looped(op):
-        """``inner`` ops in one program, each reading the last one's result and writing into the
-        buffer the one before read (so no op needs a fresh or copied output buffer)."""
+        """``inner`` ops in one program, each writing into the buffer the previous one wrote
+        (the loop carry, updated in place: no op needs a fresh or copied output buffer)."""
         def f(a, b, *rest):
-            body = lambda _, ab: (op(ab[0], ab[1], *rest), ab[0])
-            return jax.lax.fori_loop(0, inner, body, (a, b))[0]
+            return jax.lax.fori_loop(0, inner, lambda _, out: op(a, out, *rest), b)
         return smap(f)
 
     def measure(impl, op, fargs, expect=want):
@@ -93,7 +92,7 @@ def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bo
         results.append(dict(impl=impl, time_us=t, bytes=nbytes, wrong=wrong))
 
     if gpu:  # a copy is no exchange: it is checked against its input
-        measure("device copy", lambda a, b, *_: collectives.native.device_copy(a), args[:2], x)
+        measure("device copy", lambda a, b, *_: collectives.native.device_copy(a, b), args[:2], x)
     rows_ = []
     avail = collectives.available()
     for backend in ("nccl", "xla", "portable", "mpi"):

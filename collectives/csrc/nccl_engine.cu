@@ -401,8 +401,10 @@ ffi::Error Done(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer output,
   return ffi::Error::Success();
 }
 
-// The ceiling the engine is measured against: one cudaMemcpyAsync of the same bytes.
-ffi::Error Copy(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
+// The ceiling the engine is measured against: one cudaMemcpyAsync of the same bytes, into a
+// buffer passed in (aliased to the result), as the exchange writes into its `output`.
+ffi::Error Copy(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyBuffer /*into*/,
+                ffi::Result<ffi::AnyBuffer> dst) {
   const size_t bytes = std::min(src.size_bytes(), dst->size_bytes());
   cudaError_t e = cudaMemcpyAsync(dst->untyped_data(), src.untyped_data(), bytes,
                                   cudaMemcpyDeviceToDevice, stream);
@@ -445,7 +447,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDone, Done,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCopy, Copy,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()   // src
+                                  .Arg<ffi::AnyBuffer>()   // into (aliased to the result)
                                   .Ret<ffi::AnyBuffer>());
 
 void* start_handler() { return reinterpret_cast<void*>(kStart); }
