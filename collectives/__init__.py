@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from collectives import bootstrap, native, portable, xla
-from collectives.bootstrap import finalize
+from collectives.bootstrap import finalize  # noqa: F401  (public: collectives.finalize)
 
 BACKENDS = ("auto", "portable", "xla", "mpi", "nccl")
 

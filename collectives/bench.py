@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
 import ep_comm
-from ep_comm.bench import _median_us, hardware
+from ep_comm.bench import _median_us, emit, hardware
 
 AXIS = "ep"
 
@@ -224,17 +224,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     ep_comm.distributed.initialize(local_device_count=args.devices)
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    reports = []
-    for rows in map(int, args.rows.split(",")):
-        rep = run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap, args.profile,
-                  args.inner)
-        reports.append(rep)
-        if jax.process_index() == 0:
-            print(table(rep), flush=True)
-    if args.json and jax.process_index() == 0:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1)
-    return reports
+    return emit((run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap,
+                     args.profile, args.inner) for rows in map(int, args.rows.split(","))),
+                table, args.json)
 
 
 if __name__ == "__main__":

@@ -225,18 +225,23 @@ def main(argv=None):
     ep_comm.distributed.initialize(local_device_count=args.devices)
     n = jax.device_count()
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    reports = []
-    for routing in args.routing.split(","):
-        bc = BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n, dtype,
-                         routing)
-        rep = run(bc, args.warmup, args.iters)
-        reports.append(rep)
+    return emit((run(BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n,
+                                 dtype, routing), args.warmup, args.iters)
+                 for routing in args.routing.split(",")), table, args.json)
+
+
+def emit(reports, table_fn, json_path=None) -> list:
+    """Run the (lazy) ``reports``, printing each as a table on process 0 as it completes, then
+    write them all to ``json_path``; returns them."""
+    done = []
+    for rep in reports:
+        done.append(rep)
         if jax.process_index() == 0:
-            print(table(rep), flush=True)
-    if args.json and jax.process_index() == 0:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1)
-    return reports
+            print(table_fn(rep), flush=True)
+    if json_path and jax.process_index() == 0:
+        with open(json_path, "w") as f:
+            json.dump(done, f, indent=1)
+    return done
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -176,3 +175,18 @@ def test_native_lowering_has_no_xla_collective_for_the_payload(sharded, n, nativ
                                                              "ep_comm_nccl_done"}
     assert want <= names
     assert not re.search(r"stablehlo\.all_to_all|all-to-all", text)
+
+
+def test_built_engines_report_their_libraries():
+    """Each transport the install built loads and names the library it runs on (the NCCL engine is
+    compiled on CPU machines too, with nvcc, and must at least load there)."""
+    for name in ("mpi", "nccl"):
+        mod, why = bootstrap.load(name)
+        if mod is None:  # the only acceptable reason: the install did not build it
+            assert "is not built into this install" in why, why
+            continue
+        if name == "mpi":
+            from mpi4py import MPI
+            assert mod.library_version().strip() == MPI.Get_library_version().strip()
+        else:
+            assert mod.built_version() >= 22800 and mod.runtime_version() >= 22800

@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "call_shape.h"
 #include "exchange_plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -87,13 +88,6 @@ std::string wait_all(std::vector<MPI_Request>& reqs, const std::vector<int>& pee
   return missing;
 }
 
-int64_t row_bytes_of(const ffi::AnyBuffer& b) {
-  auto dims = b.dimensions();
-  int64_t elems = 1;
-  for (size_t i = 1; i < dims.size(); ++i) elems *= dims[i];
-  return elems * static_cast<int64_t>(ffi::ByteWidth(b.element_type()));
-}
-
 ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<ffi::S32> input_offsets,
                     ffi::Buffer<ffi::S32> send_sizes, ffi::Buffer<ffi::S32> output_offsets,
                     ffi::Buffer<ffi::S32> recv_sizes, ffi::Result<ffi::AnyBuffer> result,
@@ -113,21 +107,14 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
   }
   const std::string where = "ep_comm " + std::string(label) + " (mpi transport) on rank " +
                             std::to_string(c.rank) + " of " + std::to_string(c.size);
-  if (!c.broken.empty()) {
-    return ffi::Error::Internal(where + ": the communicator is unusable after an earlier failure (" +
-                                c.broken + "); restart the processes");
-  }
+  if (!c.broken.empty()) return ffi::Error::Internal(where + ": " + broken_message(c.broken));
   const int n = c.size, me = c.rank;
-  const int64_t K = input_offsets.element_count();
-  if (K % n != 0) {
-    return ffi::Error::InvalidArgument(where + ": " + std::to_string(K) +
-                                       " segments is not a multiple of the group size " +
-                                       std::to_string(n));
-  }
-  const int m = static_cast<int>(K / n);
-  const int64_t row_bytes = row_bytes_of(operand);
-  const int64_t n_in = operand.dimensions().size() ? operand.dimensions()[0] : 0;
-  const int64_t n_out = output.dimensions().size() ? output.dimensions()[0] : 0;
+  CallShape cs;
+  std::string bad = read_call_shape(operand, output, input_offsets.element_count(), n, &cs);
+  if (!bad.empty()) return ffi::Error::InvalidArgument(where + ": " + bad);
+  const int m = cs.m;
+  const int64_t K = cs.segments, row_bytes = cs.row_bytes, n_in = cs.operand_rows,
+                n_out = cs.output_rows;
   char* out = static_cast<char*>(result->untyped_data());
   if (out != output.untyped_data() && output.size_bytes() > 0) {
     std::memcpy(out, output.untyped_data(), output.size_bytes());  // XLA could not alias

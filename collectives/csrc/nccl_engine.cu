@@ -28,6 +28,7 @@
 #include <thread>
 #include <utility>
 
+#include "call_shape.h"
 #include "exchange_plan.h"
 #include "nccl_engine.h"
 #include "xla/ffi/api/ffi.h"
@@ -133,15 +134,6 @@ __global__ void publish_kernel(const int64_t* mine, const int64_t* theirs, int64
 }
 
 // ---------------------------------------------------------------------------------------------
-
-int64_t row_bytes_of(const ffi::AnyBuffer& b) {
-  auto dims = b.dimensions();
-  int64_t elems = 1;
-  for (size_t i = 1; i < dims.size(); ++i) elems *= dims[i];
-  return elems * static_cast<int64_t>(ffi::ByteWidth(b.element_type()));
-}
-
-int64_t rows_of(const ffi::AnyBuffer& b) { return b.dimensions().size() ? b.dimensions()[0] : 0; }
 
 void launch_self_copy(const CommState& st, const char* in, char* out, int64_t row_bytes,
                       int64_t max_rows, const int64_t* self_msg, int m) {
@@ -258,20 +250,14 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
   CommState& st = *stp;
   std::lock_guard<std::mutex> lock(st.mu);
   where += " on rank " + std::to_string(st.rank) + " of " + std::to_string(st.size);
-  if (!st.broken.empty()) {
-    return ffi::Error::Internal(where + ": the communicator is unusable after an earlier failure (" +
-                                st.broken + ")");
-  }
+  if (!st.broken.empty()) return ffi::Error::Internal(where + ": " + broken_message(st.broken));
   const int n = st.size, me = st.rank;
-  const int64_t K = input_offsets.element_count();
-  if (K % n != 0) {
-    return ffi::Error::InvalidArgument(where + ": " + std::to_string(K) +
-                                       " segments is not a multiple of the group size " +
-                                       std::to_string(n));
-  }
-  const int m = static_cast<int>(K / n);
-  const int L = message_len(m);
-  const int64_t row_bytes = row_bytes_of(operand), n_in = rows_of(operand), n_out = rows_of(output);
+  CallShape cs;
+  std::string bad = read_call_shape(operand, output, input_offsets.element_count(), n, &cs);
+  if (!bad.empty()) return ffi::Error::InvalidArgument(where + ": " + bad);
+  const int m = cs.m, L = message_len(m);
+  const int64_t K = cs.segments, row_bytes = cs.row_bytes, n_in = cs.operand_rows,
+                n_out = cs.output_rows;
   if (workspace->element_count() < static_cast<size_t>(2) * n * L) {
     return ffi::Error::InvalidArgument(where + ": workspace of " +
                                        std::to_string(workspace->element_count()) +
