@@ -145,7 +145,7 @@ class PendingExchange:
     result: jax.Array
     workspace: jax.Array
     keep: tuple
-    params: dict = dataclasses.field(metadata=dict(static=True))
+    params: tuple = dataclasses.field(metadata=dict(static=True))  # hashable (key, value) pairs
 
 
 def ragged_all_to_all_start(operand, output, input_offsets, send_sizes, output_offsets,
@@ -167,9 +167,9 @@ def ragged_all_to_all_start(operand, output, input_offsets, send_sizes, output_o
     if name in collectives.native.TRANSPORTS:
         result, ws, keep, params = collectives.native.exchange_start(
             name, operand, output, *idx, axis_name=axis_name, axis_index_groups=groups)
-        return PendingExchange(result, ws, keep, params)
+        return PendingExchange(result, ws, keep, tuple(sorted(params.items())))
     result = transport(operand, output, *idx, axis_name=axis_name, axis_index_groups=groups)
-    return PendingExchange(result, jnp.zeros((0,), jnp.int32), (), {})
+    return PendingExchange(result, jnp.zeros((0,), jnp.int32), (), ())
 
 
 def ragged_all_to_all_done(pending: PendingExchange):
@@ -180,4 +180,4 @@ def ragged_all_to_all_done(pending: PendingExchange):
     if not pending.params:
         return pending.result
     return collectives.native.exchange_done(pending.result, pending.workspace, pending.keep,
-                                            pending.params)
+                                            dict(pending.params))
