@@ -99,18 +99,30 @@ __global__ void pack_kernel(const int32_t* io, const int32_t* ss, const int32_t*
   }
 }
 
-// Copy this rank's segments to itself, reading sizes and offsets on the device. blockIdx.y = slot.
+// What a kernel needs to build this rank's metadata for itself.
+struct SelfArgs {
+  const int32_t *io, *ss, *oo, *rs;  // the index arrays (device)
+  int me, m;
+  int64_t K, row_bytes, tag, n_in, n_out;
+};
+
+// Copy this rank's segments to itself, reading sizes and offsets straight from the index arrays on
+// the device (no metadata kernel or host round trip first). blockIdx.y = slot.
 template <typename V>
-__global__ void self_copy_kernel(const char* in, char* out, int64_t row_bytes, const int64_t* self_msg,
-                                 int64_t* error_flag) {
+__global__ void self_copy_kernel(const char* in, char* out, SelfArgs a, int64_t* error_flag) {
   const int s = blockIdx.y;
-  if (transfer_verdict(self_msg, self_msg, s) != kOk) {
+  const int64_t row_bytes = a.row_bytes;
+  int64_t self_msg[kHeader + kSlot];  // the message to itself, slot s only (as slot 0)
+  const int64_t seg = static_cast<int64_t>(a.me) * a.m + s;
+  pack_message(self_msg, 0, 1, a.K, a.row_bytes, a.tag, a.n_in, a.n_out, a.io + seg, a.ss + seg,
+               a.oo + seg, a.rs + seg);
+  if (transfer_verdict(self_msg, self_msg, 0) != kOk) {
     if (blockIdx.x == 0 && threadIdx.x == 0) error_flag[1] = 1;  // reported by the host
     return;
   }
-  const int64_t rows = slot(self_msg, s, kSSendSize);
-  const V* src = reinterpret_cast<const V*>(in + slot(self_msg, s, kSInputOffset) * row_bytes);
-  V* dst = reinterpret_cast<V*>(out + slot(self_msg, s, kSOutputOffset) * row_bytes);
+  const int64_t rows = slot(self_msg, 0, kSSendSize);
+  const V* src = reinterpret_cast<const V*>(in + slot(self_msg, 0, kSInputOffset) * row_bytes);
+  V* dst = reinterpret_cast<V*>(out + slot(self_msg, 0, kSOutputOffset) * row_bytes);
   const int64_t count = rows * row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -135,9 +147,9 @@ __global__ void publish_kernel(const int64_t* mine, const int64_t* theirs, int64
 
 // ---------------------------------------------------------------------------------------------
 
-void launch_self_copy(const CommState& st, const char* in, char* out, int64_t row_bytes,
-                      int64_t max_rows, const int64_t* self_msg, int m) {
-  const int threads = 512;
+void launch_self_copy(const CommState& st, const char* in, char* out, const SelfArgs& a) {
+  const int threads = 512, m = a.m;
+  const int64_t row_bytes = a.row_bytes, max_rows = std::min(a.n_in, a.n_out);
   auto blocks_for = [&](int64_t width) {
     const int64_t elems = max_rows * row_bytes / width;
     int64_t b = (elems + threads - 1) / threads;
@@ -148,14 +160,14 @@ void launch_self_copy(const CommState& st, const char* in, char* out, int64_t ro
            reinterpret_cast<uintptr_t>(out) % w == 0;
   };
   if (aligned(16)) {
-    self_copy_kernel<uint4><<<dim3(blocks_for(16), m), threads, 0, st.stream>>>(in, out, row_bytes,
-                                                                              self_msg, st.flag);
+    self_copy_kernel<uint4><<<dim3(blocks_for(16), m), threads, 0, st.stream>>>(
+        in, out, a, st.flag);
   } else if (aligned(4)) {
-    self_copy_kernel<uint32_t><<<dim3(blocks_for(4), m), threads, 0, st.stream>>>(in, out, row_bytes,
-                                                                                self_msg, st.flag);
+    self_copy_kernel<uint32_t><<<dim3(blocks_for(4), m), threads, 0, st.stream>>>(
+        in, out, a, st.flag);
   } else {
-    self_copy_kernel<uint8_t><<<dim3(blocks_for(1), m), threads, 0, st.stream>>>(in, out, row_bytes,
-                                                                               self_msg, st.flag);
+    self_copy_kernel<uint8_t><<<dim3(blocks_for(1), m), threads, 0, st.stream>>>(
+        in, out, a, st.flag);
   }
 }
 
@@ -290,22 +302,23 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
     EP_CUDA(cudaMemcpyAsync(out, output.untyped_data(), output.size_bytes(), cudaMemcpyDeviceToDevice,
                             st.stream), "copy of output into the result");
   }
-  pack_kernel<<<(n + 127) / 128, 128, 0, st.stream>>>(
-      input_offsets.typed_data(), send_sizes.typed_data(), output_offsets.typed_data(),
-      recv_sizes.typed_data(), n, m, K, row_bytes, tag, n_in, n_out, mine);
-  EP_CUDA(cudaGetLastError(), "launching the metadata kernel");
-  const int64_t* self_msg = mine + static_cast<int64_t>(me) * L;
   // EP_COMM_NCCL_SELF=1 sends the self segment through the host path and NCCL like any peer's
   // (a diagnostic: on one GPU it shows what the multi-rank path costs per call).
   const char* via = std::getenv("EP_COMM_NCCL_SELF");
   const bool self_via_nccl = via != nullptr && via[0] == '1';
   if (row_bytes > 0 && !self_via_nccl) {
-    launch_self_copy(st, in, out, row_bytes, std::min(n_in, n_out), self_msg, m);
+    const SelfArgs a{input_offsets.typed_data(), send_sizes.typed_data(), output_offsets.typed_data(),
+                     recv_sizes.typed_data(), me, m, K, row_bytes, tag, n_in, n_out};
+    launch_self_copy(st, in, out, a);
     EP_CUDA(cudaGetLastError(), "launching the self-copy kernel");
   }
 
   Plan plan;
-  if (n > 1 || self_via_nccl) {
+  if (n > 1 || self_via_nccl) {  // the metadata goes to the peers, then to the host
+    pack_kernel<<<(n + 127) / 128, 128, 0, st.stream>>>(
+        input_offsets.typed_data(), send_sizes.typed_data(), output_offsets.typed_data(),
+        recv_sizes.typed_data(), n, m, K, row_bytes, tag, n_in, n_out, mine);
+    EP_CUDA(cudaGetLastError(), "launching the metadata kernel");
     if (n > 1) EP_NCCL(ncclGroupStart(), "ncclGroupStart");
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
