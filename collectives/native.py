@@ -48,14 +48,19 @@ def _tag_value(tag) -> int:
     return int(tag) & ((1 << 62) - 1)
 
 
-def exchange(transport: str, operand, output, input_offsets, send_sizes, output_offsets,
-             recv_sizes, *, axis_name, axis_index_groups=None, label="ragged_all_to_all", tag=0):
-    """Bind the engine's ragged exchange (arguments already validated by ep_comm.ragged)."""
+def _bind_args(index_arrays, axis_name, axis_index_groups):
+    """The primitives' form of a call: int32 index arrays, hashable axis names and groups."""
     axis_name = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     groups = (tuple(tuple(int(i) for i in g) for g in axis_index_groups)
               if axis_index_groups else None)
-    idx = [jnp.asarray(x).astype(jnp.int32) for x in
-           (input_offsets, send_sizes, output_offsets, recv_sizes)]
+    return [jnp.asarray(x).astype(jnp.int32) for x in index_arrays], axis_name, groups
+
+
+def exchange(transport: str, operand, output, input_offsets, send_sizes, output_offsets,
+             recv_sizes, *, axis_name, axis_index_groups=None, label="ragged_all_to_all", tag=0):
+    """Bind the engine's ragged exchange (arguments already validated by ep_comm.ragged)."""
+    idx, axis_name, groups = _bind_args((input_offsets, send_sizes, output_offsets, recv_sizes),
+                                        axis_name, axis_index_groups)
     return ragged_exchange_p.bind(operand, output, *idx, transport=transport, axis_name=axis_name,
                                   axis_index_groups=groups, label=str(label),
                                   tag=_tag_value(tag))
@@ -84,9 +89,7 @@ def _impl(*args, **params):
 
 
 def _abstract_eval(operand, output, *idx, axis_name, **params):
-    from jax._src import core  # NamedAxisEffect: the effect JAX's own collectives declare
-    return output.update(shape=output.shape, weak_type=False), {*map(core.NamedAxisEffect,
-                                                                     axis_name)}
+    return output.update(shape=output.shape, weak_type=False), _effects(axis_name)
 
 
 def _jvp(primals, tangents, **params):
@@ -135,14 +138,12 @@ def _transpose(t, operand, output, input_offsets, send_sizes, output_offsets, re
 
 def _batch(vals, dims, *, axis_name, axis_index_groups, **params):
     """Fold the batch into rows: batch b's segments go to the same peers, shifted by b rows-blocks."""
-    from ep_comm._compat import axis_size
     size = next(v.shape[d] for v, d in zip(vals, dims) if d is not None)
     vals = [batching.bdim_at_front(v, d, size) for v, d in zip(vals, dims)]
     operand, output, io, ss, oo, rs = vals
     n_rows_in, n_rows_out = operand.shape[1], output.shape[1]
     k = io.shape[1]
-    n = (len(axis_index_groups[0]) if axis_index_groups
-         else axis_size(axis_name, "ragged_all_to_all"))
+    n = _group_size(axis_name, axis_index_groups, "ragged_all_to_all")
     m = k // n
     b = jnp.arange(size, dtype=jnp.int32)[:, None]
     io, oo = io + b * n_rows_in, oo + b * n_rows_out
@@ -175,8 +176,23 @@ def device_groups(mesh, axis_name: tuple, axis_index_groups=None) -> list[list]:
     return rows
 
 
+def _group_size(axis_name, axis_index_groups, api):
+    """Members of one exchange group (traced inside shard_map)."""
+    from ep_comm._compat import axis_size
+    return len(axis_index_groups[0]) if axis_index_groups else axis_size(axis_name, api)
+
+
+def _effects(axis_name):
+    from jax._src import core  # NamedAxisEffect: the effect JAX's own collectives declare
+    return {*map(core.NamedAxisEffect, axis_name)}
+
+
+_HEADER, _SLOT = 6, 4  # int64s per metadata message: kHeader + kSlot * m (csrc/exchange_plan.h)
+
+
 def _workspace_aval(transport, n, k):
-    size = 2 * n * (6 + 4 * (k // n)) if transport == "nccl" else 1
+    """NCCL: my messages to every peer and theirs to me; MPI keeps its metadata on the host."""
+    size = 2 * n * (_HEADER + _SLOT * (k // n)) if transport == "nccl" else 1
     return jax.core.ShapedArray((size,), np.int64)
 
 
@@ -195,25 +211,25 @@ def _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform):
 
 def _lower_start(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, label, tag,
                  op_id, platform):
-    """The exchange's first custom call; returns (result, workspace) IR values."""
+    """The exchange's first custom call; returns (result, workspace) IR values, the communicator
+    key and the workspace's aval."""
     key, n = _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform)
     ws_aval = _workspace_aval(transport, n, ctx.avals_in[2].shape[0])
     attrs = dict(comm_key=np.int64(key), label=label, tag=np.int64(tag))
     if transport == "mpi":  # synchronous: the whole exchange happens here
         rule = jax.ffi.ffi_lowering("ep_comm_mpi_exchange", operand_output_aliases={1: 0})
         (result,) = rule(ctx.replace(avals_out=[ctx.avals_in[1]]), operand, output, *idx, **attrs)
-        return result, mlir.ir_constant(np.zeros(ws_aval.shape, np.int64))
+        return result, mlir.ir_constant(np.zeros(ws_aval.shape, np.int64)), key, ws_aval
     start = jax.ffi.ffi_lowering("ep_comm_nccl_start", operand_output_aliases={1: 0})
     result, workspace = start(ctx.replace(avals_out=[ctx.avals_in[1], ws_aval]), operand, output,
                               *idx, op_id=np.int64(op_id), **attrs)
-    return result, workspace
+    return result, workspace, key, ws_aval
 
 
-def _lower_done(ctx, result, workspace, operand, *idx, transport, axis_name, axis_index_groups,
-                label, op_id, platform, result_aval, ws_aval, in_avals):
+def _lower_done(ctx, result, workspace, operand, *idx, transport, key, label, op_id, result_aval,
+                ws_aval, in_avals):
     if transport == "mpi":
         return [result]
-    key, _ = _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform)
     done = jax.ffi.ffi_lowering("ep_comm_nccl_done", operand_output_aliases={0: 0})
     done_ctx = ctx.replace(avals_in=[result_aval, ws_aval, *in_avals], avals_out=[result_aval])
     return done(done_ctx, result, workspace, operand, *idx, comm_key=np.int64(key),
@@ -224,13 +240,12 @@ def _lower(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, 
            platform):
     """The fused exchange: start and done back to back (ordered by data dependence)."""
     op_id = next(_op_ids)
-    common = dict(transport=transport, axis_name=axis_name, axis_index_groups=axis_index_groups,
-                  label=label, op_id=op_id, platform=platform)
-    result, workspace = _lower_start(ctx, operand, output, *idx, tag=tag, **common)
-    n = len(device_groups(ctx.module_context.axis_context.mesh, axis_name, axis_index_groups)[0])
-    ws_aval = _workspace_aval(transport, n, ctx.avals_in[2].shape[0])
-    return _lower_done(ctx, result, workspace, operand, *idx, result_aval=ctx.avals_out[0],
-                       ws_aval=ws_aval, in_avals=[ctx.avals_in[0], *ctx.avals_in[2:]], **common)
+    result, workspace, key, ws_aval = _lower_start(
+        ctx, operand, output, *idx, transport=transport, axis_name=axis_name,
+        axis_index_groups=axis_index_groups, label=label, tag=tag, op_id=op_id, platform=platform)
+    return _lower_done(ctx, result, workspace, operand, *idx, transport=transport, key=key,
+                       label=label, op_id=op_id, result_aval=ctx.avals_out[0], ws_aval=ws_aval,
+                       in_avals=[ctx.avals_in[0], *ctx.avals_in[2:]])
 
 
 ragged_exchange_p.def_impl(_impl)
@@ -251,23 +266,14 @@ exchange_start_p.multiple_results = True
 exchange_done_p = Primitive("ep_comm_ragged_exchange_done")
 
 
-def _group_size(axis_name, axis_index_groups):
-    from ep_comm._compat import axis_size
-    return (len(axis_index_groups[0]) if axis_index_groups
-            else axis_size(axis_name, "ragged_all_to_all_start"))
-
-
 def _start_abstract_eval(operand, output, *idx, transport, axis_name, axis_index_groups, **p):
-    from jax._src import core
-    n = _group_size(axis_name, axis_index_groups)
+    n = _group_size(axis_name, axis_index_groups, "ragged_all_to_all_start")
     return ([output.update(shape=output.shape, weak_type=False),
-             _workspace_aval(transport, n, idx[0].shape[0])],
-            {*map(core.NamedAxisEffect, axis_name)})
+             _workspace_aval(transport, n, idx[0].shape[0])], _effects(axis_name))
 
 
 def _done_abstract_eval(result, workspace, *keep, axis_name, **p):
-    from jax._src import core
-    return result, {*map(core.NamedAxisEffect, axis_name)}
+    return result, _effects(axis_name)
 
 
 def _no_rule(what):
@@ -289,15 +295,17 @@ for _p in (exchange_start_p, exchange_done_p):
 
 def _start_rule(platform):
     def rule(ctx, *args, **params):
-        return list(_lower_start(ctx, *args, platform=platform, **params))
+        return list(_lower_start(ctx, *args, platform=platform, **params)[:2])
     return rule
 
 
 def _done_rule(platform):
-    def rule(ctx, result, workspace, *keep, **params):
-        return _lower_done(ctx, result, workspace, *keep, platform=platform,
-                           result_aval=ctx.avals_in[0], ws_aval=ctx.avals_in[1],
-                           in_avals=list(ctx.avals_in[2:]), **params)
+    def rule(ctx, result, workspace, *keep, transport, axis_name, axis_index_groups, label,
+             op_id):
+        key, _ = _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform)
+        return _lower_done(ctx, result, workspace, *keep, transport=transport, key=key,
+                           label=label, op_id=op_id, result_aval=ctx.avals_in[0],
+                           ws_aval=ctx.avals_in[1], in_avals=list(ctx.avals_in[2:]))
     return rule
 
 
@@ -311,11 +319,8 @@ def exchange_start(transport, operand, output, input_offsets, send_sizes, output
                    tag=0):
     """Issue the exchange; returns ``(result, workspace, keep, params)`` for :func:`exchange_done`.
     ``result`` must not be read before done."""
-    axis_name = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    groups = (tuple(tuple(int(i) for i in g) for g in axis_index_groups)
-              if axis_index_groups else None)
-    idx = [jnp.asarray(x).astype(jnp.int32) for x in
-           (input_offsets, send_sizes, output_offsets, recv_sizes)]
+    idx, axis_name, groups = _bind_args((input_offsets, send_sizes, output_offsets, recv_sizes),
+                                        axis_name, axis_index_groups)
     params = dict(transport=transport, axis_name=axis_name, axis_index_groups=groups,
                   label=str(label), op_id=next(_op_ids))
     result, workspace = exchange_start_p.bind(operand, output, *idx, tag=_tag_value(tag), **params)
