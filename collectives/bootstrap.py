@@ -132,10 +132,21 @@ def comm_key(transport: str, groups: Sequence[Sequence[jax.Device]]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
-def _allgather(payload: dict, how: str) -> list[dict]:
-    """Every process's ``payload``, in process order."""
+def _bootstrap_how() -> str:
+    how = os.environ.get("EP_COMM_BOOTSTRAP", "kv")
+    if how not in ("kv", "mpi"):
+        raise ValueError(f"EP_COMM_BOOTSTRAP must be 'kv' or 'mpi', got {how!r}")
+    return how
+
+
+def process_allgather(payload: dict, how: str | None = None,
+                      what: str = "communicator setup") -> list[dict]:
+    """Every process's JSON-able ``payload``, in process order (collective: every process calls
+    it, in the same order). ``how``: ``"kv"`` (the ``jax.distributed`` key-value store) or
+    ``"mpi"`` (mpi4py); default ``EP_COMM_BOOTSTRAP`` or ``"kv"``."""
     if jax.process_count() == 1:
         return [payload]
+    how = how or _bootstrap_how()
     global _generation
     _generation += 1
     if how == "mpi":
@@ -147,7 +158,7 @@ def _allgather(payload: dict, how: str) -> list[dict]:
     if client is None:
         raise RuntimeError("ep_comm: several JAX processes but jax.distributed is not initialised; "
                            "call ep_comm.distributed.initialize() or set EP_COMM_BOOTSTRAP=mpi")
-    prefix = f"ep_comm/bootstrap/{_generation}"
+    prefix = f"ep_comm/bootstrap/{_generation}"  # the same in every process: calls are collective
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(payload))
     timeout_ms = int(float(os.environ.get("EP_COMM_TIMEOUT_S", "300")) * 1000)
     out = []
@@ -155,9 +166,9 @@ def _allgather(payload: dict, how: str) -> list[dict]:
         try:
             out.append(json.loads(client.blocking_key_value_get(f"{prefix}/{p}", timeout_ms)))
         except Exception as e:  # the client raises its own error types
-            raise TimeoutError(f"ep_comm bootstrap: process {p} did not publish its communicator "
-                               f"setup within {timeout_ms / 1000:.0f} s ({e}); every process must "
-                               f"lower the same program") from None
+            raise TimeoutError(f"ep_comm bootstrap: process {p} did not publish its {what} "
+                               f"within {timeout_ms / 1000:.0f} s ({e}); every process must "
+                               f"make the same calls (lower the same program)") from None
     return out
 
 
@@ -233,12 +244,9 @@ def _bootstrap_nccl(mod, key, groups) -> dict:
     me = jax.process_index()
     ids = {str(gi): mod.unique_id().hex() for gi, g in enumerate(groups)
            if g[0].process_index == me}
-    how = os.environ.get("EP_COMM_BOOTSTRAP", "kv")
-    if how not in ("kv", "mpi"):
-        raise ValueError(f"EP_COMM_BOOTSTRAP must be 'kv' or 'mpi', got {how!r}")
-    infos = _allgather({"protocol": PROTOCOL, "nccl_built": mod.built_version(),
-                        "nccl_runtime": mod.runtime_version(), "groups": len(groups),
-                        "group_size": len(groups[0]), "ids": ids}, how)
+    infos = process_allgather({"protocol": PROTOCOL, "nccl_built": mod.built_version(),
+                               "nccl_runtime": mod.runtime_version(), "groups": len(groups),
+                               "group_size": len(groups[0]), "ids": ids})
     _agree("nccl", infos)
     all_ids = {}
     for info in infos:

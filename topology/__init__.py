@@ -1,6 +1,18 @@
-"""What ep_comm knows about where things live: expert placement today; discovery, node grouping,
-routing plans and the cost model as they are built."""
+"""What ep_comm knows about the machine: expert placement, discovery and node grouping
+(:class:`Topology`), traffic accounting per link class, the alpha-beta cost model that picks the
+exchange plan, and node-limited routing."""
 
+from topology.cost import H200_DEFAULTS, CostModel, Link
+from topology.machine import (ENV, LINK_CLASSES, Device, Node, Topology, current, discover, parse,
+                              simulated)
 from topology.placement import ExpertPlacement
+from topology.routing import Routing, group_limited_topk, node_limited_topk
+from topology.traffic import (PLANS, Exchange, Traffic, count_matrices, count_traffic,
+                              expected_traffic)
 
-__all__ = ["ExpertPlacement"]
+__all__ = [
+    "CostModel", "Device", "ENV", "Exchange", "ExpertPlacement", "H200_DEFAULTS", "LINK_CLASSES",
+    "Link", "Node", "PLANS", "Routing", "Topology", "Traffic", "count_matrices", "count_traffic",
+    "current", "discover", "expected_traffic", "group_limited_topk", "node_limited_topk", "parse",
+    "simulated",
+]
