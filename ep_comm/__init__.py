@@ -6,14 +6,16 @@ Public API (everything else is private):
 - :func:`ragged_all_to_all_start` / :func:`ragged_all_to_all_done` (:class:`PendingExchange`) --
   the same exchange split in two, so that work placed in between overlaps it.
 - :class:`EPConfig`, :func:`dispatch_layout`, :func:`dispatch`, :func:`combine`, :class:`EPHandle`,
-  :func:`check`, :class:`EPOverflowError` -- the MoE token exchange.
+  :func:`check`, :class:`EPOverflowError` -- the MoE token exchange; :func:`link_bytes` -- what
+  it sent over each link class; :mod:`ep_comm.plan` -- flat or hierarchical (two-stage) route.
 - :mod:`ep_comm.distributed` -- multi-process set-up (``mpirun``) and global-array helpers.
 """
 
 from ep_comm import distributed
 from ep_comm.config import EPConfig
 from ep_comm.layout import DispatchLayout, dispatch_layout
-from ep_comm.moe import EPHandle, EPOverflowError, check, combine, dispatch
+from ep_comm import plan
+from ep_comm.moe import EPHandle, EPOverflowError, Leg, check, combine, dispatch, link_bytes
 from ep_comm.ragged import (PendingExchange, ragged_all_to_all, ragged_all_to_all_done,
                             ragged_all_to_all_start)
 
@@ -22,12 +24,15 @@ __all__ = [
     "EPConfig",
     "EPHandle",
     "EPOverflowError",
+    "Leg",
     "PendingExchange",
     "check",
     "combine",
     "dispatch",
     "dispatch_layout",
     "distributed",
+    "link_bytes",
+    "plan",
     "ragged_all_to_all",
     "ragged_all_to_all_done",
     "ragged_all_to_all_start",

@@ -10,9 +10,10 @@ import zlib
 import numpy as np
 
 import collectives
-from topology import ExpertPlacement
+from topology import CostModel, ExpertPlacement, Topology
 
 OVERFLOW_MODES = ("count", "raise")
+PLAN_CHOICES = ("auto", "flat", "hierarchical")
 
 
 def _positive_int(owner: str, name: str, value) -> None:
@@ -45,6 +46,18 @@ class EPConfig:
       combine_dtype: dtype of the partial sums sent back by combine (default ``None``: the dtype
         of ``expert_y``). ``"float32"`` makes bf16 combine exact up to one final rounding, at twice
         the bytes.
+      plan: how tokens travel (see :mod:`ep_comm.plan`): ``"flat"`` (one exchange over the whole
+        axis: a token crosses the network once per destination *rank*), ``"hierarchical"`` (stage
+        1 over the network once per destination *node* to the same-local-index rank there, stage
+        2 inside the node; combine reduces inside the node first) or ``"auto"`` (default: the
+        plan the cost model predicts faster for balanced routing on ``topology``; ``"flat"`` on a
+        single node).
+      topology: the :class:`topology.Topology` the axis runs on (``num_ranks`` ranks, node-major).
+        Default ``None``: with ``axis_name=(node_axis, local_axis)`` the two mesh axes are the
+        nodes and the devices of a node; otherwise ``topology.current()`` (``EP_COMM_TOPOLOGY``
+        or discovery) when the plan needs one.
+      cost_model: the :class:`topology.CostModel` that ``plan="auto"`` consults (default: the
+        H200-class defaults).
 
     Memory per rank (``H`` hidden size, ``b`` bytes per element of ``x``), see :meth:`buffer_bytes`:
       send buffer ``S = T * min(topk, num_ranks)`` rows; token receive buffer
@@ -62,6 +75,9 @@ class EPConfig:
     backend: str = "auto"
     overflow: str = "count"
     combine_dtype: str | None = None
+    plan: str = "auto"
+    topology: Topology | None = None
+    cost_model: CostModel | None = None
 
     def __post_init__(self):
         owner = "EPConfig"
@@ -95,13 +111,25 @@ class EPConfig:
                 raise ValueError(f"{owner}: combine_dtype must be None or a floating dtype name, "
                                  f"got {self.combine_dtype!r}")
             object.__setattr__(self, "combine_dtype", dt.name)
+        if self.plan not in PLAN_CHOICES:
+            raise ValueError(f"{owner}: plan must be one of {PLAN_CHOICES}, got {self.plan!r}")
+        if self.topology is not None:
+            if not isinstance(self.topology, Topology):
+                raise TypeError(f"{owner}: topology must be a topology.Topology or None, got "
+                                f"{type(self.topology).__name__}")
+            self.topology.gpus_per_node  # raises for unequal nodes
+            self.topology.check_ranks(self.num_ranks, owner)
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise TypeError(f"{owner}: cost_model must be a topology.CostModel or None, got "
+                            f"{type(self.cost_model).__name__}")
 
     @property
     def fingerprint(self) -> int:
         """A stable 32-bit digest of the fields every rank must agree on; the native transports
         compare it across ranks on every exchange and fail on a mismatch."""
         fields = (self.num_ranks, self.num_experts, self.topk, self.tokens_per_rank,
-                  self.recv_capacity, self.combine_dtype)
+                  self.recv_capacity, self.combine_dtype, self.plan,
+                  None if self.topology is None else self.topology.shape)
         return zlib.crc32(repr(fields).encode())
 
     # Derived sizes -------------------------------------------------------------------------------
@@ -138,15 +166,41 @@ class EPConfig:
         """True when no routing can overflow the buffers."""
         return self.expert_rows >= self.worst_case_rows
 
-    def buffer_bytes(self, hidden: int, dtype) -> dict[str, int]:
-        """Bytes per rank of each buffer dispatch allocates for ``x`` of shape ``(T, hidden)``."""
-        _positive_int("EPConfig.buffer_bytes", "hidden", hidden)
+    def buffer_bytes(self, hidden: int, dtype, plan: str = "flat",
+                     num_nodes: int | None = None) -> dict[str, int]:
+        """Bytes per rank of each buffer dispatch allocates for ``x`` of shape ``(T, hidden)``.
+
+        ``plan="hierarchical"`` (``num_nodes`` nodes, default: the topology's) adds stage 1's
+        buffers: a send buffer of ``T * min(topk, N)`` rows, a forwarding buffer of ``N * T``
+        rows (the worst case: every source on the other nodes sends every token) and stage 2's
+        send buffer of ``N * T * min(topk, G)`` rows; stage 2 receives into the flat plan's
+        token receive buffer."""
+        owner = "EPConfig.buffer_bytes"
+        _positive_int(owner, "hidden", hidden)
+        if plan not in ("flat", "hierarchical"):
+            raise ValueError(f"{owner}: plan must be 'flat' or 'hierarchical', got {plan!r}")
         b = np.dtype(dtype).itemsize
+        row = hidden * b + self.topk * 8  # a token and its routing (weights, ids in float32)
         out = {
-            "send": self.send_rows * hidden * b,
-            "recv_tokens": self.recv_token_rows * hidden * b,
+            "recv_tokens": self.recv_token_rows * row,
             "expert_x": self.expert_rows * hidden * b,
-            "metadata": self.recv_token_rows * self.topk * 8,
         }
+        if plan == "flat":
+            out["send"] = self.send_rows * row
+        else:
+            if num_nodes is None:
+                if self.topology is None:
+                    raise ValueError(f"{owner}: plan='hierarchical' needs num_nodes (or "
+                                     f"EPConfig.topology)")
+                num_nodes = self.topology.num_nodes
+            _positive_int(owner, "num_nodes", num_nodes)
+            if self.num_ranks % num_nodes:
+                raise ValueError(f"{owner}: num_nodes={num_nodes} must divide num_ranks="
+                                 f"{self.num_ranks}")
+            G = self.num_ranks // num_nodes
+            T, K = self.tokens_per_rank, self.topk
+            out["send"] = T * min(K, num_nodes) * row
+            out["forward"] = num_nodes * T * row
+            out["forward_send"] = num_nodes * T * min(K, G) * row
         out["total"] = sum(out.values())
         return out

@@ -253,7 +253,14 @@ def test_config_is_frozen_and_sizes():
     assert cfg.send_rows == 4096 * 8 and cfg.recv_token_rows == 8 * 4096
     b = cfg.buffer_bytes(7168, "bfloat16")
     assert b["expert_x"] == 8 * 4096 * 8 * 7168 * 2
-    assert b["total"] == b["send"] + b["recv_tokens"] + b["expert_x"] + b["metadata"]
+    row = 7168 * 2 + 8 * 8  # token + routing (weights and ids, float32)
+    assert b["send"] == 4096 * 8 * row and b["recv_tokens"] == 8 * 4096 * row
+    assert b["total"] == b["send"] + b["recv_tokens"] + b["expert_x"]
+    h = cfg.buffer_bytes(7168, "bfloat16", plan="hierarchical", num_nodes=2)
+    assert h["send"] == 4096 * 2 * row and h["forward"] == 2 * 4096 * row
+    assert h["forward_send"] == 2 * 4096 * 4 * row
+    assert h["total"] == b["recv_tokens"] + b["expert_x"] + h["send"] + h["forward"] + \
+        h["forward_send"]
 
 
 def _dispatch_args(rng, n):

@@ -330,6 +330,15 @@ def discover() -> Topology:
 _CACHE: dict = {}
 
 
+def known() -> Topology | None:
+    """What is known without a collective call: the ``EP_COMM_TOPOLOGY`` override, else the
+    topology :func:`current` discovered earlier, else ``None``."""
+    spec = os.environ.get(ENV)
+    if spec:
+        return parse(spec)
+    return _CACHE.get("discovered")
+
+
 def current(refresh: bool = False) -> Topology:
     """The topology ep_comm plans with: ``EP_COMM_TOPOLOGY`` when set, else :func:`discover`
     (cached; ``refresh=True`` discovers again)."""

@@ -103,7 +103,10 @@ def _check_plan(plan: str, owner: str) -> None:
         raise ValueError(f"{owner}: plan must be one of {PLANS}, got {plan!r}")
 
 
-def _row_bytes(hidden: int, dtype, topk: int, combine_dtype) -> tuple[int, int]:
+def row_bytes(hidden: int, dtype, topk: int, combine_dtype=None) -> tuple[int, int]:
+    """Bytes of one dispatch row (``hidden`` elements of ``dtype`` and ``2 * topk`` float32 of
+    routing) and of one combine row (``hidden`` elements of ``combine_dtype``, default ``dtype``).
+    """
     b = np.dtype(dtype).itemsize
     wire = np.dtype(combine_dtype if combine_dtype is not None else dtype).itemsize
     return hidden * b + 2 * topk * 4, hidden * wire
@@ -115,7 +118,7 @@ def _legs(plan: str, topology: Topology, tok: np.ndarray, kept: np.ndarray, node
     part of it the receiver keeps, ``node_tok[s, b]`` tokens s->node b, ``fwd[f, d]`` rows
     forwarder f sends to d in stage 2."""
     del tok
-    disp, comb_ = _row_bytes(hidden, dtype, topk, combine_dtype)
+    disp, comb_ = row_bytes(hidden, dtype, topk, combine_dtype)
     if plan == "flat":
         return (Exchange("dispatch exchange", "dispatch", kept, disp, 2),
                 Exchange("combine exchange", "combine", kept.T.copy(), comb_, 1))

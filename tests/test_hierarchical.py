@@ -1,0 +1,254 @@
+"""Hierarchical (two-stage, per-node dedup) dispatch/combine on simulated topologies.
+
+Every test runs at any device count: the simulated shapes ``NxG`` that match the number of
+devices run (8 devices: 2x4, 4x2 and the degenerate 1x8, 8x1; 4: 2x2; 2: 2x1, 1x2), over one
+flattened axis with a topology attached and over a mesh with separate node and local axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ep_comm
+import topology
+from conftest import ALL_BACKENDS, needs_backend
+from moe_reference import Reference, routing
+
+T, K, H, F = 16, 4, 8, 6
+SHAPES = ["2x4", "4x2", "1x8", "8x1", "2x2", "2x1", "1x2", "4x1"]
+LAYOUTS = ["groups", "axes"]
+
+
+def shape_of(spec, n):
+    N, G = map(int, spec.split("x"))
+    if N * G != n:
+        pytest.skip(f"{spec} needs {N * G} devices, this run has {n}")
+    return N, G
+
+
+class Mesh:
+    """A mesh for one layout: ``groups`` (one 'ep' axis, topology attached) or ``axes``
+    (('node', 'local') axes)."""
+
+    def __init__(self, layout, N, G):
+        auto = jax.sharding.AxisType.Explicit
+        if layout == "groups":
+            self.mesh = jax.make_mesh((N * G,), ("ep",), axis_types=(auto,))
+            self.axis = "ep"
+        else:
+            self.mesh = jax.make_mesh((N, G), ("node", "local"), axis_types=(auto, auto))
+            self.axis = ("node", "local")
+        self.rows = NamedSharding(self.mesh, P(self.axis))
+        self.topology = topology.simulated(N, G) if layout == "groups" else None
+
+    def put(self, *arrays):
+        return tuple(ep_comm.distributed.global_array(a, self.rows) for a in arrays)
+
+    def get(self, tree):
+        return jax.tree.map(ep_comm.distributed.to_host, tree)
+
+    def smap(self, f):
+        return jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=P(self.axis),
+                                     out_specs=P(self.axis)))
+
+    def config(self, n, plan, backend="portable", E=None, topk=K, tokens=T, **kw):
+        return ep_comm.EPConfig(axis_name=self.axis, num_ranks=n,
+                                num_experts=E or 4 * n, topk=topk, tokens_per_rank=tokens,
+                                backend=backend, plan=plan, topology=self.topology, **kw)
+
+
+def run(m, cfg, x, ids, w):
+    def f(x, ids, w):
+        ex, h = ep_comm.dispatch(x, ids, w, cfg)
+        y = ep_comm.combine(ex * 2 + 1, h)
+        return ex, y, h.group_sizes, h.num_dropped, h.link_rows, h.recv_pos
+    out = m.get(m.smap(f)(*m.put(x, ids, w)))
+    return out
+
+
+def inputs(rng, n, kind, E=None, topk=K, tokens=T):
+    x = rng.standard_normal((n * tokens, H)).astype(np.float32)
+    ids = routing(rng, kind, n, tokens, topk, E or 4 * n)
+    w = rng.random((n * tokens, topk)).astype(np.float32)
+    return x, ids, w
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["random", "masked", "one_rank", "empty_ranks"])
+def test_hierarchical_equals_flat(n, rng, shape, layout, kind, backend):
+    N, G = shape_of(shape, n)
+    needs_backend(backend)
+    if backend == "mpi" and kind != "random":
+        pytest.skip("routing patterns are covered by the other backends")
+    m = Mesh(layout, N, G)
+    x, ids, w = inputs(rng, n, kind)
+    flat = run(m, m.config(n, "flat", backend), x, ids, w)
+    hier = run(m, m.config(n, "hierarchical", backend), x, ids, w)
+    # dispatch: the same expert rows, bit for bit, in the same order, with the same groups
+    np.testing.assert_array_equal(hier[0], flat[0])
+    np.testing.assert_array_equal(hier[2], flat[2])
+    np.testing.assert_array_equal(hier[3], flat[3])
+    # combine: within float32 reassociation of the per-rank vs per-node partial sums
+    np.testing.assert_allclose(hier[1], flat[1], rtol=1e-5, atol=1e-5)
+    cfg = m.config(n, "flat")
+    ref = Reference(ids, n, cfg.num_experts, T, cfg.expert_rows, cfg.recv_token_rows)
+    np.testing.assert_array_equal(hier[0].reshape(n, cfg.expert_rows, H), ref.expert_x(x))
+    np.testing.assert_allclose(hier[1], ref.combine(2 * x + 1, ids, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["2x4", "4x2", "2x2", "2x1", "1x2"])
+def test_hierarchical_capacity_drops_like_flat(n, rng, shape):
+    N, G = shape_of(shape, n)
+    m = Mesh("groups", N, G)
+    x, ids, w = inputs(rng, n, "one_rank")
+    cap = max(1, T // 2)
+    flat = run(m, m.config(n, "flat", recv_capacity=cap), x, ids, w)
+    hier = run(m, m.config(n, "hierarchical", recv_capacity=cap), x, ids, w)
+    assert flat[3].sum() > 0
+    for a, b in zip(hier[:4], flat[:4]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(hier[0], flat[0])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", ["2x4", "4x2", "2x2", "2x1"])
+def test_hierarchical_gradients_equal_flat(n, rng, shape, layout):
+    N, G = shape_of(shape, n)
+    m = Mesh(layout, N, G)
+    x, ids, w = inputs(rng, n, "masked")
+    E = 4 * n
+    W = (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(np.float32)
+    cot = rng.standard_normal((n * T, F)).astype(np.float32)
+
+    def grads(cfg):
+        def moe(x, ids, w, W_local):
+            ex, h = ep_comm.dispatch(x, ids, w, cfg)
+            return ep_comm.combine(jax.lax.ragged_dot(ex, W_local, h.group_sizes), h)
+
+        def f(x, ids, w, W_local, cot):
+            loss = lambda x, w, W_: jax.lax.psum(jnp.sum(moe(x, ids, w, W_) * cot), m.axis)
+            return (moe(x, ids, w, W_local),) + jax.grad(loss, argnums=(0, 1, 2))(x, w, W_local)
+        return m.get(m.smap(f)(*m.put(x, ids, w, W, cot)))
+
+    flat = grads(m.config(n, "flat"))
+    hier = grads(m.config(n, "hierarchical"))
+    for a, b in zip(hier, flat):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # and against the dense model
+    def dense(x, w, W):
+        out = 0.0
+        for k in range(K):
+            e = jnp.clip(ids[:, k], 0, E - 1)
+            out = out + jnp.where(ids[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) * \
+                jnp.einsum("th,thf->tf", x, W[e])
+        return out
+    rx, rw, rW = jax.grad(lambda x, w, W: jnp.sum(dense(x, w, W) * cot), argnums=(0, 1, 2))(
+        x, w, W)
+    np.testing.assert_allclose(hier[1], rx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(hier[2], rw, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(hier[3], rW, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["2x4", "4x2", "2x2", "2x1", "1x2"])
+def test_link_rows_match_numpy_count_and_network_shrinks(n, rng, shape):
+    N, G = shape_of(shape, n)
+    m = Mesh("groups", N, G)
+    E, topk, tokens = 32 * n, min(8, 32 * n), 64
+    x, ids, w = inputs(rng, n, "random", E=E, topk=topk, tokens=tokens)
+    got = {}
+    for plan in ("flat", "hierarchical"):
+        cfg = m.config(n, plan, E=E, topk=topk, tokens=tokens)
+        out = run(m, cfg, x, ids, w)
+        rows = out[4].reshape(n, 2, -1)
+        want = topology.count_traffic(ids.reshape(n, tokens, topk), num_experts=E,
+                                      topology=m.topology, hidden=H, dtype=np.float32,
+                                      plan=plan)
+        np.testing.assert_array_equal(rows[:, 0], want.rows_by_link("dispatch"))
+        np.testing.assert_array_equal(rows[:, 1], want.rows_by_link("combine"))
+        got[plan] = want
+    net = topology.LINK_CLASSES.index("network")
+    flat_net = got["flat"].rows_by_link("dispatch")[:, net].sum()
+    hier_net = got["hierarchical"].rows_by_link("dispatch")[:, net].sum()
+    if N == 1:
+        assert flat_net == hier_net == 0
+        return
+    exp = {p: topology.expected_traffic(num_experts=E, topk=topk, tokens_per_rank=tokens,
+                                        topology=m.topology, hidden=H, dtype=np.float32, plan=p)
+           for p in topology.PLANS}
+    want_ratio = (exp["flat"].rows_by_link("dispatch")[:, net].sum()
+                  / exp["hierarchical"].rows_by_link("dispatch")[:, net].sum())
+    assert hier_net <= flat_net
+    # random top-k: the saving matches the expectation for uniform routing (within sampling noise)
+    np.testing.assert_allclose(flat_net / hier_net, want_ratio, rtol=0.1)
+    if G > 1:
+        assert want_ratio > 1.5
+
+
+def test_auto_plan(n, rng, monkeypatch):
+    monkeypatch.delenv(topology.ENV, raising=False)
+    x, ids, w = inputs(rng, n, "random")
+    m = Mesh("groups", 1, n)
+    cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=n, num_experts=4 * n, topk=K,
+                           tokens_per_rank=T)
+    plans = {}
+
+    def f(x, ids, w, cfg=cfg):
+        _, h = ep_comm.dispatch(x, ids, w, cfg)
+        plans[cfg] = h.plan
+        return h.group_sizes
+
+    m.smap(f)(*m.put(x, ids, w))
+    assert plans[cfg] == "flat"  # one node (all devices of this test run are on one host)
+    topo = topology.simulated(2, n // 2) if n % 2 == 0 and n > 2 else None
+    if topo is not None:
+        cfg2 = dataclasses.replace(cfg, topology=topo)
+        m.smap(lambda *a: f(*a, cfg=cfg2))(*m.put(x, ids, w))
+        assert plans[cfg2] == "hierarchical"
+        assert ep_comm.plan.choose(cfg2, topo, 7168, np.dtype("bfloat16")) == "hierarchical"
+        fast = topology.CostModel(network=topology.Link(1e-6, 1e13))
+        cfg3 = dataclasses.replace(cfg2, cost_model=fast)
+        assert ep_comm.plan.choose(cfg3, topo, 7168, np.dtype("bfloat16")) == "flat"
+        monkeypatch.setenv(topology.ENV, f"2x{n // 2}")
+        m.smap(lambda *a: f(*a, cfg=dataclasses.replace(cfg, tokens_per_rank=T)))(
+            *m.put(x, ids, w))
+        assert plans[cfg] == "hierarchical"  # from EP_COMM_TOPOLOGY
+
+
+def test_config_errors(n):
+    kw = dict(axis_name="ep", num_ranks=8, num_experts=32, topk=2, tokens_per_rank=4)
+    with pytest.raises(ValueError, match=re.escape(
+            "EPConfig: plan must be one of ('auto', 'flat', 'hierarchical'), got 'tree'")):
+        ep_comm.EPConfig(**kw, plan="tree")
+    with pytest.raises(ValueError, match=re.escape(
+            "EPConfig: the topology has 3 nodes x 2 devices = 6 ranks but the expert-parallel "
+            "axis has 8")):
+        ep_comm.EPConfig(**kw, topology=topology.simulated(3, 2))
+    with pytest.raises(TypeError, match=re.escape(
+            "EPConfig: topology must be a topology.Topology or None, got str")):
+        ep_comm.EPConfig(**kw, topology="2x4")
+    with pytest.raises(TypeError, match=re.escape(
+            "EPConfig: cost_model must be a topology.CostModel or None, got dict")):
+        ep_comm.EPConfig(**kw, cost_model={})
+
+
+def test_axes_and_topology_must_agree(n, rng):
+    if n < 4 or n % 2:
+        pytest.skip("needs an even device count >= 4")
+    m = Mesh("axes", 2, n // 2)
+    cfg = ep_comm.EPConfig(axis_name=m.axis, num_ranks=n, num_experts=4 * n, topk=K,
+                           tokens_per_rank=T, plan="hierarchical",
+                           topology=topology.simulated(n // 2, 2))
+    x, ids, w = inputs(rng, n, "random")
+    with pytest.raises(ValueError, match=re.escape(
+            f"dispatch: axis_name=('node', 'local') has shape (2, {n // 2}) (nodes, devices per "
+            f"node) but config.topology is {n // 2}x2")):
+        m.smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg)[0])(*m.put(x, ids, w))
