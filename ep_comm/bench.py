@@ -16,6 +16,12 @@ against a float64 reference of the round trip with identity experts; ``dropped``
 pairs; ``wire`` bytes each rank actually puts on the wire (the portable transport pads every
 per-peer slot to a static size; ``pad`` is wire / payload); ``buffers`` = receive-side memory per
 rank. Results go to stdout and, with ``--json``, to a file.
+
+Plans: ``--topology 2x4 --plans flat,hierarchical`` runs both exchange plans on a (simulated)
+machine; ``net`` is the busiest rank's network bytes as dispatch counted them
+(``EPHandle.link_rows``) and ``model`` what :class:`topology.CostModel` predicts for the same
+routing, so the byte saving and the model sit next to the measured times. On one host the
+"network" is simulated: the times show the cost of the extra stage, not the saving.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
 import ep_comm
+import topology
 from collectives import portable
 
 
@@ -111,8 +118,23 @@ def hardware() -> str:
             f"{jax.process_count()} process(es); host CPU: {cpu}; jax {jax.__version__}")
 
 
+def _portable_wire_rows(cfg, plan: str, N: int) -> tuple[int, int]:
+    """Rows each rank puts on the wire per phase with the portable transport (padded slots)."""
+    T, K, n = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks
+    if plan == "flat":
+        rows = portable.wire_rows(cfg.send_rows, cfg.recv_token_rows, n, T)
+        return rows, rows
+    G = n // N
+    s1 = portable.wire_rows(T * min(K, N), N * T, N, T)
+    s2 = portable.wire_rows(N * T * min(K, G), cfg.recv_token_rows, G, N * T)
+    s2_back = portable.wire_rows(cfg.recv_token_rows, N * T * min(K, G), G, N * T)
+    s1_back = portable.wire_rows(N * T, T * min(K, N), N, T)
+    return s1 + s2, s2_back + s1_back
+
+
 def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
-        capacity_factors=(1.0, 1.25), backends=None):
+        capacity_factors=(1.0, 1.25), backends=None, topo=None, plans=("flat",),
+        cost_model=None):
     mesh = jax.make_mesh((jax.device_count(),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     n = mesh.shape["ep"]
     T, H, K, E = bc.tokens_per_rank, bc.hidden, bc.topk, bc.num_experts
@@ -144,40 +166,53 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     avail = collectives.available()
     usable = [b for b in ("nccl", "portable", "xla", "mpi") if avail[b] is None
               and (b != "mpi" or jax.local_device_count() == 1)]
+    topo = topo or topology.simulated(1, n)
+    model = cost_model or topology.CostModel()
+    row_d, row_c = topology.row_bytes(H, dtype, K)
+    net = topology.LINK_CLASSES.index("network")
     for backend in backends or usable:
-        cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
-                               backend=backend)
-        disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
-        comb = smap(ep_comm.combine)
-        ex, h = disp(xs, idss, ws)
-        y = comb(ex, h)
-        t_d = _median_us(disp, (xs, idss, ws), warmup, iters)
-        t_c = _median_us(comb, (ex, h), warmup, iters)
-        if backend == "portable":  # every exchange moves n slots of at most T rows
-            rows_d = portable.wire_rows(cfg.send_rows, cfg.recv_token_rows, n, T)
-            wire = rows_d * (H * itemsize + K * 8)
-            wire_c = rows_d * H * itemsize
-        else:
-            wire = int(sends.sum(1).max()) * (H * itemsize + K * 8)
-            wire_c = int(sends.sum(0).max()) * H * itemsize
-        common = dict(impl=f"ep_comm/{backend}", wrong=wrong(y),
-                      dropped=int(ep_comm.distributed.to_host(h.num_dropped).sum()),
-                      buffers=cfg.buffer_bytes(H, dtype)["total"])
-        results.append(dict(phase="dispatch", time_us=t_d, wire=wire, **common))
-        results.append(dict(phase="combine", time_us=t_c, wire=wire_c, **common))
+        for plan in plans:
+            cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
+                                   backend=backend, plan=plan, topology=topo)
+            disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
+            comb = smap(ep_comm.combine)
+            ex, h = disp(xs, idss, ws)
+            y = comb(ex, h)
+            t_d = _median_us(disp, (xs, idss, ws), warmup, iters)
+            t_c = _median_us(comb, (ex, h), warmup, iters)
+            # bytes per rank and link class, as dispatch counted them: (n, phase, class)
+            sent = ep_comm.distributed.to_host(h.link_rows).reshape(n, 2, -1).astype(np.float64)
+            sent = sent * np.array([row_d, row_c])[None, :, None]
+            if backend == "portable":  # padded slots
+                rd, rc = _portable_wire_rows(cfg, plan, topo.num_nodes)
+                wire, wire_c = rd * row_d, rc * row_c
+            else:  # exact: every byte but the copies to oneself
+                off_rank = sent[:, :, 1:].sum(axis=2).max(axis=0)
+                wire, wire_c = off_rank
+            predicted = model.predict(topology.count_traffic(
+                ids.reshape(n, T, K), num_experts=E, topology=topo, hidden=H, dtype=dtype,
+                plan=plan))
+            common = dict(impl=f"ep_comm/{backend}", plan=plan, wrong=wrong(y),
+                          dropped=int(ep_comm.distributed.to_host(h.num_dropped).sum()),
+                          buffers=cfg.buffer_bytes(H, dtype, plan, topo.num_nodes)["total"])
+            for i, (phase, t, wb) in enumerate((("dispatch", t_d, wire), ("combine", t_c, wire_c))):
+                results.append(dict(phase=phase, time_us=t, wire=wb,
+                                    network_bytes_max=float(sent[:, i, net].max()),
+                                    network_bytes_total=float(sent[:, i, net].sum()),
+                                    predicted_us=predicted[phase] * 1e6, **common))
     for cf in capacity_factors:
         cap = capacity_slots(cf, T, K, E)
         fn = smap(functools.partial(capacity_round_trip, axis_name="ep", num_experts=E, cap=cap))
         y, dropped = fn(xs, idss, ws)
         t = _median_us(fn, (xs, idss, ws), warmup, iters)
-        results.append(dict(impl=f"capacity cf={cf}", phase="round trip", time_us=t,
+        results.append(dict(impl=f"capacity cf={cf}", plan="-", phase="round trip", time_us=t,
                             wire=2 * E * cap * H * itemsize, wrong=wrong(y),
                             dropped=int(ep_comm.distributed.to_host(dropped).sum()),
                             buffers=2 * E * cap * H * itemsize))
     if T % n == 0:  # the ceiling: a dense all-to-all of each rank's T token rows, no routing
         fn = smap(lambda x: lax.all_to_all(x, "ep", 0, 0, tiled=True))
         t = _median_us(fn, (xs,), warmup, iters)
-        results.append(dict(impl="lax.all_to_all", phase="T rows", time_us=t, wrong=0, dropped=0,
+        results.append(dict(impl="lax.all_to_all", plan="-", phase="T rows", time_us=t, wrong=0, dropped=0,
                             wire=T * H * itemsize, buffers=T * H * itemsize,
                             payload=T * H * itemsize))
     for r in results:
@@ -187,7 +222,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         r["busbw_GBps"] = r["algbw_GBps"] * (n - 1) / n
         r["pad"] = r["wire"] / r["payload"]
     return dict(config=dataclasses.asdict(bc), ranks=n, hardware=hardware(), warmup=warmup,
-                iters=iters, results=results)
+                iters=iters, topology=f"{topo.num_nodes}x{topo.gpus_per_node} ({topo.source})",
+                cost_model=dataclasses.asdict(model), results=results)
 
 
 def table(report) -> str:
@@ -196,15 +232,31 @@ def table(report) -> str:
             f"{c['hidden']}, top-{c['topk']} of {c['num_experts']} experts, {c['dtype']}, "
             f"{c['routing']} routing\n# {report['hardware']}\n"
             f"# median of {report['iters']} after {report['warmup']} warm-up; payload = bottleneck "
-            f"rank's token bytes; wire = bytes each rank sends; buffers = receive memory per rank\n")
-    cols = f"{'impl':<18}{'phase':<12}{'time(us)':>11}{'algbw':>8}{'busbw':>8}{'#wrong':>8}" \
-           f"{'dropped':>9}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}"
+            f"rank's token bytes; wire = bytes each rank sends; buffers = memory per rank\n"
+            f"# topology {report['topology']}; net = network bytes of the busiest rank (counted "
+            f"by dispatch); model = the cost model's prediction for this routing (us)\n")
+    cols = f"{'impl':<18}{'plan':<13}{'phase':<11}{'time(us)':>11}{'algbw':>8}{'busbw':>8}" \
+           f"{'#wrong':>7}{'dropped':>8}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}" \
+           f"{'net':>11}{'model':>9}"
     lines = [head + cols]
     for r in report["results"]:
-        lines.append(f"{r['impl']:<18}{r['phase']:<12}{r['time_us']:>11.1f}{r['algbw_GBps']:>8.2f}"
-                     f"{r['busbw_GBps']:>8.2f}{r['wrong']:>8d}{r['dropped']:>9d}"
-                     f"{r['payload'] / 2**20:>9.2f}MB{r['wire'] / 2**20:>9.2f}MB{r['pad']:>6.2f}"
-                     f"{r['buffers'] / 2**20:>9.2f}MB")
+        net = f"{r['network_bytes_max'] / 2**20:>9.2f}MB" if "network_bytes_max" in r else \
+            f"{'-':>11}"
+        pred = f"{r['predicted_us']:>9.1f}" if "predicted_us" in r else f"{'-':>9}"
+        lines.append(f"{r['impl']:<18}{r['plan']:<13}{r['phase']:<11}{r['time_us']:>11.1f}"
+                     f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['wrong']:>7d}"
+                     f"{r['dropped']:>8d}{r['payload'] / 2**20:>9.2f}MB"
+                     f"{r['wire'] / 2**20:>9.2f}MB{r['pad']:>6.2f}{r['buffers'] / 2**20:>9.2f}MB"
+                     f"{net}{pred}")
+    by = {(r["impl"], r["plan"], r["phase"]): r for r in report["results"]}
+    for (impl, plan, phase), r in by.items():
+        f = by.get((impl, "flat", phase))
+        if plan == "hierarchical" and f is not None:
+            ratio = (f["network_bytes_max"] / r["network_bytes_max"]
+                     if r["network_bytes_max"] else float("nan"))
+            lines.append(f"# {impl} {phase}: hierarchical/flat time {r['time_us'] / f['time_us']:.2f}x"
+                         f" (model {r['predicted_us'] / f['predicted_us']:.2f}x), network bytes "
+                         f"of the busiest rank {ratio:.2f}x fewer")
     return "\n".join(lines)
 
 
@@ -220,13 +272,28 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
+    ap.add_argument("--topology", default=None,
+                    help="NxG (simulated) or a saved topology; default: EP_COMM_TOPOLOGY or the "
+                         "machine")
+    ap.add_argument("--plans", default=None,
+                    help="comma-separated: flat,hierarchical (default: both on several nodes)")
+    ap.add_argument("--backends", default=None, help="default: every usable transport")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     ep_comm.distributed.initialize(local_device_count=args.devices)
     n = jax.device_count()
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    topo = topology.parse(args.topology) if args.topology else topology.current()
+    if topo.num_ranks != n:
+        if topo.num_nodes != 1:
+            raise SystemExit(f"bench: the topology has {topo.num_ranks} devices, the run {n}")
+        topo = topology.simulated(1, n)
+    plans = (args.plans.split(",") if args.plans
+             else ["flat", "hierarchical"] if topo.num_nodes > 1 else ["flat"])
+    backends = args.backends.split(",") if args.backends else None
     return emit((run(BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n,
-                                 dtype, routing), args.warmup, args.iters)
+                                 dtype, routing), args.warmup, args.iters, backends=backends,
+                     topo=topo, plans=plans)
                  for routing in args.routing.split(",")), table, args.json)
 
 
