@@ -8,6 +8,7 @@ import sys
 import jax
 import pytest
 
+import topology
 from ep_comm import bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -46,3 +47,20 @@ def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
     text = bench.table(report)
     assert "ep_comm/portable" in text and "capacity cf=1.25" in text
     assert report["hardware"].startswith(f"{jax.device_count()} x ")
+
+
+def test_bench_compares_flat_and_hierarchical(n):
+    if n < 2 or n % 2:
+        pytest.skip("needs an even device count")
+    bc = bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=8 * n,
+                           dtype="float32", routing="uniform")
+    report = bench.run(bc, warmup=1, iters=2, capacity_factors=(), backends=["portable"],
+                       topo=topology.simulated(2, n // 2), plans=("flat", "hierarchical"))
+    rows = {(r["plan"], r["phase"]): r for r in report["results"] if r["impl"] != "lax.all_to_all"}
+    for phase in ("dispatch", "combine"):
+        flat, hier = rows[("flat", phase)], rows[("hierarchical", phase)]
+        assert flat["wrong"] == hier["wrong"] == 0
+        assert 0 < hier["network_bytes_total"] <= flat["network_bytes_total"]
+        assert hier["predicted_us"] > 0 and flat["predicted_us"] > 0
+    assert report["topology"] == f"2x{n // 2} (simulated)"
+    assert "portable dispatch: hierarchical/flat time" in bench.table(report)
