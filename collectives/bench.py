@@ -220,13 +220,56 @@ def main(argv=None):
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--profile", default=None, help="write a profiler trace here (with --overlap)")
     ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="fit the cost model's link (alpha, beta) to the timed sizes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     ep_comm.distributed.initialize(local_device_count=args.devices)
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    return emit((run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap,
-                     args.profile, args.inner) for rows in map(int, args.rows.split(","))),
-                table, args.json)
+    reports = emit((run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap,
+                        args.profile, args.inner) for rows in map(int, args.rows.split(","))),
+                   table, None if args.calibrate else args.json)
+    if args.calibrate:
+        fit = calibration(reports)
+        if jax.process_index() == 0:
+            print(f"# calibration ({fit['impl']}, link class {fit['link']}): alpha "
+                  f"{fit['alpha_us']:.2f} us, beta {fit['beta_GBps']:.1f} GB/s from "
+                  f"{len(fit['samples'])} sizes; use topology.CostModel.calibrate(samples)")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(reports=reports, calibration=fit), f, indent=1)
+    return reports
+
+
+def calibration(reports, impl: str | None = None) -> dict:
+    """Fit one link class of :class:`topology.CostModel` to the exchange timed at several sizes.
+
+    The class is ``self`` on one rank, else the link inside the node when every rank is on one
+    node (``topology.current()``); a run that spans nodes mixes classes and is refused. ``impl``:
+    which row of the reports (default: the first ``ep_comm/`` transport)."""
+    import topology
+
+    n = reports[0]["ranks"]
+    if n == 1:
+        link = "self"
+    else:
+        topo = topology.current()
+        if topo.num_nodes != 1:
+            raise ValueError("calibration: this run spans several nodes, so its exchange mixes "
+                             "link classes; calibrate 'network' from a run with one rank per node")
+        link = topo.intra_node_link()
+    impl = impl or next(r["impl"] for r in reports[0]["results"] if r["impl"].startswith("ep_comm/"))
+    samples = []
+    for rep in reports:
+        row = next((r for r in rep["results"] if r["impl"] == impl), None)
+        if row is None:
+            raise ValueError(f"calibration: no {impl!r} result in the report of {rep['rows']} rows")
+        # bytes a rank sends over the link class (all of it on one rank; (n-1)/n off-rank)
+        sent = row["bytes"] * (1 if n == 1 else (n - 1) / n)
+        samples.append((link, sent, row["time_us"] * 1e-6))
+    fitted = topology.CostModel.calibrate(samples).link(link)
+    return dict(impl=impl, link=link, samples=samples, alpha_us=fitted.alpha * 1e6,
+                beta_GBps=fitted.beta / 1e9)
 
 
 if __name__ == "__main__":

@@ -2,27 +2,39 @@
 # Everything one GPU can show, in one go (for the device machine; no install, no internet):
 # build the native engine, the test suite on the GPU (nccl, xla and portable backends), the
 # exchange benchmark (engine vs device copy vs lax.ragged_all_to_all, overlap with a profile),
-# and the dispatch/combine benchmark at a DeepSeek-V3-like single-rank config.
-# Output tables and JSON land in ${OUT:-out}/.
+# the dispatch/combine benchmark at a DeepSeek-V3-like single-rank config, and the topology step:
+# discovery with NVML (`python -m topology`) and the cost model's `self` link calibrated from the
+# engine's exchange at four sizes. STEPS picks steps (default: all of
+# build,tests,exchange,dispatch,topology); nvidia-ml-py is installed from wheels/ when the image
+# lacks it. Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+STEPS=",${STEPS:-build,tests,exchange,dispatch,topology},"
+step() { [[ "$STEPS" == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-echo "== build (the package's CMake project, copied in-tree so PYTHONPATH finds it)"
+step build && { echo "== build (the package's CMake project, copied in-tree so PYTHONPATH finds it)"
 t0=$(date +%s)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
   > "$OUT/build.txt" 2>&1 && cmake --build build >> "$OUT/build.txt" 2>&1 \
   && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
-grep "ep_comm:" "$OUT/build.txt"; echo "built in $(( $(date +%s) - t0 )) s"
+grep "ep_comm:" "$OUT/build.txt"; echo "built in $(( $(date +%s) - t0 )) s"; }
 "$PY" -c "import collectives; print(collectives.available())" | tee -a "$OUT/gpu.txt"
-echo "== tests on $("$PY" -c 'import jax; print(jax.device_count())') GPU(s)"
+"$PY" -c "import pynvml" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps wheels/nvidia_ml_py-*.whl
+step tests && echo "== tests on $("$PY" -c 'import jax; print(jax.device_count())') GPU(s)" && \
 "$PY" -m pytest -q -p no:cacheprovider --timeout 600 ${EP_COMM_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/tests.txt"
-echo "== exchange bench"
+step exchange && echo "== exchange bench" && \
 "$PY" -m collectives.bench --rows 4096,32768 --hidden 7168 --overlap --profile "$OUT/profile" \
   --json "$OUT/exchange.json" 2>&1 | tee "$OUT/exchange.txt"
-echo "== dispatch/combine bench"
+step dispatch && echo "== dispatch/combine bench" && \
 "$PY" -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
   --routing uniform --iters 20 --json "$OUT/bench_T4096.json" 2>&1 | tee "$OUT/bench_T4096.txt"
+if step topology; then
+  echo "== topology: discovery (NVML) and the cost model's self link calibrated on this GPU"
+  "$PY" -m topology --save "$OUT/topology.json" 2>&1 | tee "$OUT/topology.txt"
+  "$PY" -m collectives.bench --rows 1024,4096,16384,32768 --hidden 7168 --calibrate \
+    --json "$OUT/calibration.json" 2>&1 | tee "$OUT/calibration.txt"
+fi

@@ -1,7 +1,7 @@
 """Hierarchical (two-stage, per-node dedup) dispatch/combine on simulated topologies.
 
 Every test runs at any device count: the simulated shapes ``NxG`` that match the number of
-devices run (8 devices: 2x4, 4x2 and the degenerate 1x8, 8x1; 4: 2x2; 2: 2x1, 1x2), over one
+devices run (8 devices: 2x4, 4x2 and the degenerate 1x8, 8x1; 4: 2x2, 4x1; 2: 2x1, 1x2; 1: 1x1), over one
 flattened axis with a topology attached and over a mesh with separate node and local axes.
 """
 
@@ -23,7 +23,7 @@ from conftest import ALL_BACKENDS, needs_backend
 from moe_reference import Reference, routing
 
 T, K, H, F = 16, 4, 8, 6
-SHAPES = ["2x4", "4x2", "1x8", "8x1", "2x2", "2x1", "1x2", "4x1"]
+SHAPES = ["2x4", "4x2", "1x8", "8x1", "2x2", "2x1", "1x2", "4x1", "1x1"]
 LAYOUTS = ["groups", "axes"]
 
 
