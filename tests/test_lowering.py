@@ -27,9 +27,9 @@ def collectives_in(text):
     return out
 
 
-def lowered_dispatch(mesh, n, backend):
+def lowered_dispatch(mesh, n, backend, **kw):
     cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T,
-                           backend=backend)
+                           backend=backend, **kw)
     f = jax.jit(jax.shard_map(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg)[0], mesh=mesh,
                               in_specs=P("ep"), out_specs=P("ep")))
     args = (jax.ShapeDtypeStruct((n * T, H), jnp.bfloat16),
@@ -43,7 +43,7 @@ def lowered_dispatch(mesh, n, backend):
 def test_portable_dispatch_gathers_only_counts_and_sends_T_rows_per_peer(mesh, n):
     ops = collectives_in(lowered_dispatch(mesh, n, "portable"))
     gathers = [t for op, t in ops if op == "all_gather"]
-    assert gathers == [f"tensor<1x2x{n}xi32>"]  # the n x n token/pair count matrix, nothing else
+    assert gathers == [f"tensor<1x{2 * n}xi32>"]  # the n x n token/pair count matrix, nothing else
     a2a = [t for op, t in ops if op == "all_to_all"]
     if n > 1:  # JAX lowers an all_to_all over one device to nothing
         assert f"tensor<{n}x{T}x{H}xbf16>" in a2a  # tokens: a slot of T rows per peer, bf16 wire
@@ -58,3 +58,26 @@ def test_xla_backend_lowers_to_native_ragged_all_to_all(mesh, n):
     # tokens, then weights and expert ids together
     assert sum(op == "ragged_all_to_all" for op, _ in ops) == 2
     assert not any(op == "all_to_all" and t.endswith(f"x{H}xbf16>") for op, t in ops)
+
+
+def test_hierarchical_dispatch_sends_T_rows_per_node_then_forwards_inside_the_node(mesh, n):
+    if n < 4 or n % 2:
+        pytest.skip("needs an even device count >= 4")
+    import topology
+
+    N, G = 2, n // 2
+    text = lowered_dispatch(mesh, n, "portable", plan="hierarchical",
+                            topology=topology.simulated(N, G))
+    ops = collectives_in(text)
+    gathers = [t for op, t in ops if op == "all_gather"]
+    assert gathers == [f"tensor<1x{2 * n + N}xi32>"]  # counts per rank and per node
+    a2a = [t for op, t in ops if op == "all_to_all"]
+    # stage 1 (between nodes): one slot of T token rows per node; stage 2 (inside the node): one
+    # slot per local rank of at most N * T rows (every token that reached this node)
+    assert f"tensor<{N}x{T}x{H}xbf16>" in a2a
+    assert f"tensor<{G}x{N * T}x{H}xbf16>" in a2a
+    assert f"tensor<{n}x{T}x{H}xbf16>" not in a2a  # no flat exchange
+    if collectives.available()["xla"] is None:
+        ops = collectives_in(lowered_dispatch(mesh, n, "xla", plan="hierarchical",
+                                              topology=topology.simulated(N, G)))
+        assert sum(op == "ragged_all_to_all" for op, _ in ops) == 4
