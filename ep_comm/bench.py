@@ -212,7 +212,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     if T % n == 0:  # the ceiling: a dense all-to-all of each rank's T token rows, no routing
         fn = smap(lambda x: lax.all_to_all(x, "ep", 0, 0, tiled=True))
         t = _median_us(fn, (xs,), warmup, iters)
-        results.append(dict(impl="lax.all_to_all", plan="-", phase="T rows", time_us=t, wrong=0, dropped=0,
+        results.append(dict(impl="lax.all_to_all", plan="-", phase="T rows", time_us=t, wrong=0,
+                            dropped=0,
                             wire=T * H * itemsize, buffers=T * H * itemsize,
                             payload=T * H * itemsize))
     for r in results:
@@ -254,8 +255,8 @@ def table(report) -> str:
         if plan == "hierarchical" and f is not None:
             ratio = (f["network_bytes_max"] / r["network_bytes_max"]
                      if r["network_bytes_max"] else float("nan"))
-            lines.append(f"# {impl} {phase}: hierarchical/flat time {r['time_us'] / f['time_us']:.2f}x"
-                         f" (model {r['predicted_us'] / f['predicted_us']:.2f}x), network bytes "
+            lines.append(f"# {impl} {phase}: hierarchical/flat time "
+                         f"{r['time_us'] / f['time_us']:.2f}x (model {r['predicted_us'] / f['predicted_us']:.2f}x), network bytes "
                          f"of the busiest rank {ratio:.2f}x fewer")
     return "\n".join(lines)
 

@@ -89,8 +89,8 @@ def _leg(counts, send_starts, me, peers) -> Leg:
 class EPHandle:
     """What dispatch learned, consumed by :func:`combine`. One rank's view inside ``shard_map``.
 
-    Shapes use ``T = tokens_per_rank``, ``K = topk``, ``n = num_ranks``, ``R = config.recv_token_rows``,
-    ``C = config.expert_rows`` and ``L = experts_per_rank``; for the hierarchical plan ``N`` nodes
+    Shapes use ``T = tokens_per_rank``, ``K = topk``, ``n = num_ranks``,
+    ``R = config.recv_token_rows``, ``C = config.expert_rows`` and ``L = experts_per_rank``; for the hierarchical plan ``N`` nodes
     of ``G`` ranks. Every leaf has a leading axis, so ``out_specs=P(axis_name)`` returns a whole
     handle from ``shard_map`` (per-rank values stacked).
 
@@ -291,7 +291,9 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     # received rows in the flat order (source rank, source token), routing masked to this rank
     num_recv = jnp.sum(kept[:, me])
     received = jnp.arange(R, dtype=i32) < num_recv
-    row_route = jnp.take(buf_route, jnp.minimum(flat_to_buf, R - 1), axis=0)
+    # flat_to_buf: row of the receive buffer holding each flat-order row (None: the same row)
+    row_route = buf_route if flat_to_buf is None else jnp.take(
+        buf_route, jnp.minimum(flat_to_buf, R - 1), axis=0)
     gid = jnp.where(received[:, None], row_route[:, K:], -1.0).astype(i32)
     here = (gid >= 0) & (gid // L == me)
     recv_w = jnp.where(here, row_route[:, :K], 0.0)
@@ -315,9 +317,12 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     q = jnp.arange(C, dtype=i32)
     used = q < jnp.minimum(num_pairs, C)
     expert_token = jnp.where(used, order[jnp.minimum(q, R * K - 1)] // K, R)
-    expert_x = jnp.take(buf_x, jnp.take(flat_to_buf, jnp.minimum(expert_token, R - 1)), axis=0)
+    src_row = jnp.minimum(expert_token, R - 1)
+    if flat_to_buf is not None:
+        src_row = jnp.take(flat_to_buf, src_row)
+    expert_x = jnp.take(buf_x, src_row, axis=0)
     expert_x = jnp.where(used[:, None], expert_x, jnp.zeros((), x.dtype))
-    if plan.kind != "flat":  # combine reads the receive buffer in its own (stage-2) order
+    if flat_to_buf is not None:  # combine reads the receive buffer in its own (stage-2) order
         buf_rows = jnp.where(received, flat_to_buf, R)
         recv_pos = jnp.full((R, K), C, i32).at[buf_rows].set(recv_pos, mode="drop")
         recv_w = jnp.zeros((R, K), jnp.float32).at[buf_rows].set(recv_w, mode="drop")
@@ -408,7 +413,7 @@ def _flat_dispatch(cfg, plan, x, route, dest, node, in_node, tok, kept, node_tok
     send_x, send_route = _send_buffer(x, route, item, to, dest, K)
     leg = _leg(kept, send_starts, me, jnp.arange(n, dtype=jnp.int32))
     recv_x, recv_route = _move(cfg, plan.stages[0], leg, send_x, send_route, R, T, "")
-    return dict(x=recv_x, route=recv_route, flat_to_buf=jnp.arange(R, dtype=jnp.int32),
+    return dict(x=recv_x, route=recv_route, flat_to_buf=None,
                 legs=(leg,), token_send_row=_first_rows(dest, send_row, n))
 
 

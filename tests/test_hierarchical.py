@@ -1,8 +1,9 @@
 """Hierarchical (two-stage, per-node dedup) dispatch/combine on simulated topologies.
 
 Every test runs at any device count: the simulated shapes ``NxG`` that match the number of
-devices run (8 devices: 2x4, 4x2 and the degenerate 1x8, 8x1; 4: 2x2, 4x1; 2: 2x1, 1x2; 1: 1x1), over one
-flattened axis with a topology attached and over a mesh with separate node and local axes.
+devices run (8 devices: 2x4, 4x2 and the degenerate 1x8, 8x1; 4: 2x2, 4x1; 2: 2x1, 1x2; 1: 1x1),
+over one flattened axis with a topology attached and over a mesh with separate node and local
+axes.
 """
 
 from __future__ import annotations

@@ -210,7 +210,8 @@ def test_group_limited_topk(rng):
     bias[:8] = 10.0
     b = topology.group_limited_topk(scores, 8, num_groups=groups, topk_groups=1, bias=bias,
                                     normalize=True)
-    np.testing.assert_array_equal(np.sort(np.asarray(b.topk_ids), 1), np.tile(np.arange(8), (T, 1)))
+    np.testing.assert_array_equal(np.sort(np.asarray(b.topk_ids), 1),
+                                  np.tile(np.arange(8), (T, 1)))
     np.testing.assert_allclose(np.asarray(b.topk_weights).sum(1), 1.0, rtol=1e-6)
     g = jax.grad(lambda s: jnp.sum(topology.group_limited_topk(
         s, 2, num_groups=groups, topk_groups=2).topk_weights))(jnp.asarray(scores))

@@ -13,6 +13,6 @@ from topology.traffic import (PLANS, Exchange, Traffic, count_matrices, count_tr
 __all__ = [
     "CostModel", "Device", "ENV", "Exchange", "ExpertPlacement", "H200_DEFAULTS", "LINK_CLASSES",
     "Link", "Node", "PLANS", "Routing", "Topology", "Traffic", "count_matrices", "count_traffic",
-    "current", "discover", "expected_traffic", "known", "group_limited_topk", "link_matrix", "node_limited_topk", "parse",
-    "row_bytes", "simulated",
+    "current", "discover", "expected_traffic", "group_limited_topk", "known", "link_matrix",
+    "node_limited_topk", "parse", "row_bytes", "simulated",
 ]

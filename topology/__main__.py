@@ -53,8 +53,8 @@ def main(argv=None) -> int:
                                               tokens_per_rank=args.tokens, topology=topo,
                                               hidden=args.hidden, dtype=jax.numpy.dtype(args.dtype),
                                               plan=plan)
-                plans[plan] = {"predicted_s": model.predict(t),
-                               "network_bytes_per_rank": float(np.mean(t.network_bytes("dispatch"))),
+                net = float(np.mean(t.network_bytes("dispatch")))
+                plans[plan] = {"predicted_s": model.predict(t), "network_bytes_per_rank": net,
                                "traffic": t.summary()}
             if args.sample:
                 plans["sampled"] = sampled(topo, args, model)

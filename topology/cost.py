@@ -100,8 +100,8 @@ class CostModel:
         Args:
           samples: ``(link class, bytes per rank, seconds)`` triples, e.g. from timing a plain
             exchange over that class at several sizes (``python -m collectives.bench --rows
-            1024,8192,32768 --calibrate`` fits them). A class needs two or more sizes; classes without samples keep ``base``'s
-            values (default: :class:`CostModel`'s).
+            1024,8192,32768 --calibrate`` fits them). A class needs two or more sizes; classes
+            without samples keep ``base``'s values (default: :class:`CostModel`'s).
         """
         base = base or cls()
         by_cls: dict[str, list[tuple[float, float]]] = {}
