@@ -90,8 +90,8 @@ class EPHandle:
     """What dispatch learned, consumed by :func:`combine`. One rank's view inside ``shard_map``.
 
     Shapes use ``T = tokens_per_rank``, ``K = topk``, ``n = num_ranks``,
-    ``R = config.recv_token_rows``, ``C = config.expert_rows`` and ``L = experts_per_rank``; for the hierarchical plan ``N`` nodes
-    of ``G`` ranks. Every leaf has a leading axis, so ``out_specs=P(axis_name)`` returns a whole
+    ``R = config.recv_token_rows``, ``C = config.expert_rows`` and ``L = experts_per_rank``; for
+    the hierarchical plan ``N`` nodes of ``G`` ranks. Every leaf has a leading axis, so ``out_specs=P(axis_name)`` returns a whole
     handle from ``shard_map`` (per-rank values stacked).
 
     Attributes:

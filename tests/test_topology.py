@@ -162,7 +162,8 @@ def test_cost_model_predict_and_calibrate():
     # calibration recovers a line
     samples = [("network", b, 7e-6 + b / 4e10) for b in (1e5, 1e6, 1e7)]
     fitted = CostModel.calibrate(samples)
-    assert fitted.network.alpha == pytest.approx(7e-6) and fitted.network.beta == pytest.approx(4e10)
+    assert fitted.network.alpha == pytest.approx(7e-6)
+    assert fitted.network.beta == pytest.approx(4e10)
     assert fitted.nvlink == CostModel().nvlink
     with pytest.raises(ValueError, match=re.escape(
             "CostModel.calibrate: link class 'network' needs samples at two or more sizes, got "
