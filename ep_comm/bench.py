@@ -237,7 +237,7 @@ def table(report) -> str:
             f"# topology {report['topology']}; net = network bytes of the busiest rank (counted "
             f"by dispatch); model = the cost model's prediction for this routing (us)\n")
     cols = f"{'impl':<18}{'plan':<13}{'phase':<11}{'time(us)':>11}{'algbw':>8}{'busbw':>8}" \
-           f"{'#wrong':>7}{'dropped':>8}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}" \
+           f"{'#wrong':>9}{'dropped':>8}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}" \
            f"{'net':>11}{'model':>9}"
     lines = [head + cols]
     for r in report["results"]:
@@ -245,7 +245,7 @@ def table(report) -> str:
             f"{'-':>11}"
         pred = f"{r['predicted_us']:>9.1f}" if "predicted_us" in r else f"{'-':>9}"
         lines.append(f"{r['impl']:<18}{r['plan']:<13}{r['phase']:<11}{r['time_us']:>11.1f}"
-                     f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['wrong']:>7d}"
+                     f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['wrong']:>9d}"
                      f"{r['dropped']:>8d}{r['payload'] / 2**20:>9.2f}MB"
                      f"{r['wire'] / 2**20:>9.2f}MB{r['pad']:>6.2f}{r['buffers'] / 2**20:>9.2f}MB"
                      f"{net}{pred}")
