@@ -23,7 +23,13 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(c
   && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
 grep "ep_comm:" "$OUT/build.txt"; echo "built in $(( $(date +%s) - t0 )) s"; }
 "$PY" -c "import collectives; print(collectives.available())" | tee -a "$OUT/gpu.txt"
-"$PY" -c "import pynvml" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps wheels/nvidia_ml_py-*.whl
+if ! "$PY" -c "import pynvml" 2>/dev/null; then
+  if compgen -G "wheels/nvidia_ml_py-*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps wheels/nvidia_ml_py-*.whl
+  else
+    echo "note: no nvidia-ml-py (pip download nvidia-ml-py -d wheels): GPUs listed without NVML facts"
+  fi
+fi
 step tests && echo "== tests on $("$PY" -c 'import jax; print(jax.device_count())') GPU(s)" && \
 "$PY" -m pytest -q -p no:cacheprovider --timeout 600 ${EP_COMM_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/tests.txt"
 step exchange && echo "== exchange bench" && \
