@@ -104,8 +104,8 @@ class EPHandle:
         ``recv_capacity``. Always 0 with the default (worst-case) capacity.
       num_invalid: ``(1,)`` int32; expert ids of this rank's tokens outside ``[-1, num_experts)``
         (not routed).
-      traffic: ``(2, n)`` int32; row 0: tokens this rank's tokens send to each rank (before
-        capacity clipping), row 1: tokens it receives from each rank (after clipping).
+      traffic: ``(2, n)`` int32; row 0: tokens this rank sends to each rank (before capacity
+        clipping), row 1: tokens it receives from each rank (after clipping), whatever the plan.
       link_rows: ``(2, len(topology.LINK_CLASSES))`` int32; rows this rank sends over each link
         class (``self``, ``nvlink``, ``pcie``, ``network``) in dispatch (row 0; each row carries
         ``H`` elements of ``x`` and ``2K`` float32 of routing) and in combine (row 1; ``H``

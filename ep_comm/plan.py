@@ -26,12 +26,10 @@ from ep_comm.config import EPConfig
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One exchange of a plan: its axis, its groups (or None) and the global ranks of its
-    members, ``members[g][p]`` (group ``g``, member ``p``)."""
+    """One exchange of a plan: its axis and its groups (``axis_index_groups``, or None)."""
 
     axis_name: object
     groups: tuple | None
-    members: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +81,15 @@ def machine(cfg: EPConfig, api: str, need: bool) -> topo_mod.Topology | None:
 
 
 def _stages(cfg: EPConfig, kind: str, topo: topo_mod.Topology) -> tuple[Stage, ...]:
-    n = cfg.num_ranks
     if kind == "flat":
-        return (Stage(cfg.axis_name, None, (tuple(range(n)),)),)
+        return (Stage(cfg.axis_name, None),)
     N, G = topo.shape
-    inter = tuple(tuple(a * G + l for a in range(N)) for l in range(G))
-    intra = tuple(tuple(a * G + l for l in range(G)) for a in range(N))
+    inter = tuple(tuple(a * G + g for a in range(N)) for g in range(G))  # same local index
+    intra = tuple(tuple(a * G + g for g in range(G)) for a in range(N))  # same node
     pair = _node_local_axes(cfg)
     if pair is not None:
-        return (Stage(pair[0], None, inter), Stage(pair[1], None, intra))
-    return (Stage(cfg.axis_name, inter, inter), Stage(cfg.axis_name, intra, intra))
+        return (Stage(pair[0], None), Stage(pair[1], None))
+    return (Stage(cfg.axis_name, inter), Stage(cfg.axis_name, intra))
 
 
 def resolve(cfg: EPConfig, hidden: int, dtype, api: str = "dispatch") -> Plan:
