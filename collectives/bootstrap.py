@@ -224,6 +224,12 @@ def _bootstrap_mpi(mod, key, groups) -> dict:
         raise ValueError(f"backend='mpi' drives one device per process, but process "
                          f"{jax.process_index()} holds {len(local)} devices of the mesh; use "
                          f"backend='portable' or one device per process")
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        raise RuntimeError(
+            "backend='mpi' needs MPI initialised with MPI_THREAD_MULTIPLE (XLA:CPU runs "
+            f"independent exchanges on several threads), but this MPI runs at thread level "
+            f"{MPI.Query_thread()}; leave mpi4py.rc.thread_level at its default 'multiple' or use "
+            f"an MPI built with thread support")
     world = MPI.COMM_WORLD
     infos = world.allgather({"protocol": PROTOCOL, "mpi": MPI.Get_library_version().strip(),
                              "groups": len(groups), "group_size": len(groups[0])})

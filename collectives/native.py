@@ -6,7 +6,8 @@
   the requested bytes move (grouped ``ncclSend``/``ncclRecv``); a rank's segments to itself are
   copied by a kernel that reads the offsets on the device.
 - ``"mpi"`` (CPU, one device per process under ``mpirun``): one custom call,
-  ``ep_comm_mpi_exchange`` (metadata by point-to-point messages, payload by ``MPI_Ialltoallv``).
+  ``ep_comm_mpi_exchange`` (metadata and payload by point-to-point messages, tagged per call so
+  that exchanges XLA:CPU runs concurrently cannot mix; needs ``MPI_THREAD_MULTIPLE``).
 
 How sizes reach the host (NCCL): a single-rank exchange never needs them there. With peers, the
 per-peer metadata (offsets, sizes, shapes, a config tag) is exchanged on the device, published by a
@@ -209,6 +210,22 @@ def _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform):
     return bootstrap.communicator(transport, groups), len(groups[0])
 
 
+_MPI_CHAIN: dict = {}
+
+
+def _mpi_chain_previous(module_context):
+    """The result of the last mpi exchange lowered into the current block of this module (and its
+    aval), or an empty constant when there is none: the next exchange takes it as an operand, so
+    XLA runs the block's exchanges in program order in every process. Values are only looked at
+    while their module is being lowered (the chain holds the module, so it stays alive)."""
+    last = _MPI_CHAIN.get("last")
+    if last is not None and last[0] is module_context.module:
+        _, value, aval = last
+        if value.owner.operation.block == mlir.ir.InsertionPoint.current.block:
+            return value, aval
+    return mlir.ir_constant(np.zeros((0,), np.int8)), jax.core.ShapedArray((0,), np.int8)
+
+
 def _lower_start(ctx, operand, output, *idx, transport, axis_name, axis_index_groups, label, tag,
                  op_id, platform):
     """The exchange's first custom call; returns (result, workspace) IR values, the communicator
@@ -217,8 +234,16 @@ def _lower_start(ctx, operand, output, *idx, transport, axis_name, axis_index_gr
     ws_aval = _workspace_aval(transport, n, ctx.avals_in[2].shape[0])
     attrs = dict(comm_key=np.int64(key), label=label, tag=np.int64(tag))
     if transport == "mpi":  # synchronous: the whole exchange happens here
+        # XLA:CPU orders independent custom calls differently in different processes: chain this
+        # exchange after the previous one of the block, and give it its own MPI tags (the
+        # module's channel id for it) in case exchanges still meet out of order.
+        after, after_aval = _mpi_chain_previous(ctx.module_context)
         rule = jax.ffi.ffi_lowering("ep_comm_mpi_exchange", operand_output_aliases={1: 0})
-        (result,) = rule(ctx.replace(avals_out=[ctx.avals_in[1]]), operand, output, *idx, **attrs)
+        (result,) = rule(ctx.replace(avals_in=[*ctx.avals_in, after_aval],
+                                     avals_out=[ctx.avals_in[1]]),
+                         operand, output, *idx, after,
+                         channel=np.int64(ctx.module_context.new_channel()), **attrs)
+        _MPI_CHAIN["last"] = (ctx.module_context.module, result, ctx.avals_in[1])
         return result, mlir.ir_constant(np.zeros(ws_aval.shape, np.int64)), key, ws_aval
     start = jax.ffi.ffi_lowering("ep_comm_nccl_start", operand_output_aliases={1: 0})
     result, workspace = start(ctx.replace(avals_out=[ctx.avals_in[1], ws_aval]), operand, output,
@@ -253,8 +278,10 @@ ragged_exchange_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[ragged_exchange_p] = _jvp
 ad.primitive_transposes[ragged_exchange_p] = _transpose
 batching.primitive_batchers[ragged_exchange_p] = _batch
+# cacheable=False: lowered in place, not as a private function per call, so that consecutive mpi
+# exchanges of a block can be chained (_mpi_chain_previous).
 mlir.register_lowering(ragged_exchange_p, lambda ctx, *a, **p: _lower(ctx, *a, platform="cpu", **p),
-                       platform="cpu")
+                       platform="cpu", cacheable=False)
 mlir.register_lowering(ragged_exchange_p, lambda ctx, *a, **p: _lower(ctx, *a, platform="cuda", **p),
                        platform="cuda")
 
@@ -310,7 +337,8 @@ def _done_rule(platform):
 
 
 for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(exchange_start_p, _start_rule(_platform), platform=_platform)
+    mlir.register_lowering(exchange_start_p, _start_rule(_platform), platform=_platform,
+                           cacheable=_platform != "cpu")  # see the fused rule's note
     mlir.register_lowering(exchange_done_p, _done_rule(_platform), platform=_platform)
 
 

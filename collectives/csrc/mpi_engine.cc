@@ -1,8 +1,17 @@
 // MPI transport (CPU): the ragged exchange as an XLA FFI handler, built against the MPI library that
-// mpi4py loads. Counts/metadata go through point-to-point messages (so a missing peer is named),
-// payload through MPI_Ialltoallv (one segment per peer) or MPI_Isend/Irecv (several), each waited for
-// with a deadline. Communicators are created by Python (mpi4py Split along the mesh axis) and
-// registered here by key; this module never owns them (mpi4py frees them before MPI_Finalize).
+// mpi4py loads. Metadata and payload go by point-to-point messages (so a missing peer is named),
+// each waited for with a deadline. Communicators are created by Python (mpi4py Split along the mesh
+// axis) and registered here by key; this module never owns them (mpi4py frees them before
+// MPI_Finalize).
+//
+// Ordering: XLA:CPU runs independent custom calls of one program in an order that can differ
+// between processes (or on several threads at once). Two defences: the lowering chains the
+// exchanges of one block by data dependence (the `after` operand: the previous exchange's result),
+// so every process runs them in program order; and every call carries its own message tags,
+// derived from the program's channel id for it (the same in every process, unique within the
+// program), with no collective MPI call, so exchanges that still run at once (e.g. in different
+// blocks) cannot match each other's messages. That needs MPI_THREAD_MULTIPLE (checked at
+// bootstrap).
 #include <mpi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -28,8 +37,23 @@ namespace nb = nanobind;
 namespace ep_comm {
 namespace {
 
-constexpr int kMetaTag = 0x4550;  // "EP"
-constexpr int kDataTag = 0x4551;  // + slot for the multi-segment path
+// Tags of one call: metadata and payload, from its channel id. Several segments to one peer share
+// the payload tag; MPI's non-overtaking rule matches them in slot order, the order both ends post.
+struct Tags {
+  int meta, data;
+};
+
+Tags tags_of(int64_t channel) {
+  static const int tag_ub = [] {
+    void* v = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &v, &flag);
+    return flag && v ? *static_cast<int*>(v) : 32767;  // the standard's guaranteed minimum
+  }();
+  const int64_t span = (tag_ub - 2) / 2;
+  const int base = 2 + 2 * static_cast<int>(channel % span);
+  return {base, base + 1};
+}
 
 struct MpiComm {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -90,8 +114,9 @@ std::string wait_all(std::vector<MPI_Request>& reqs, const std::vector<int>& pee
 
 ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<ffi::S32> input_offsets,
                     ffi::Buffer<ffi::S32> send_sizes, ffi::Buffer<ffi::S32> output_offsets,
-                    ffi::Buffer<ffi::S32> recv_sizes, ffi::Result<ffi::AnyBuffer> result,
-                    int64_t comm_key, int64_t tag, std::string_view label) {
+                    ffi::Buffer<ffi::S32> recv_sizes, ffi::AnyBuffer /*after: ordering only*/,
+                    ffi::Result<ffi::AnyBuffer> result, int64_t comm_key, int64_t tag,
+                    int64_t channel, std::string_view label) {
   MpiComm c;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -120,6 +145,7 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
     std::memcpy(out, output.untyped_data(), output.size_bytes());  // XLA could not alias
   }
   const double timeout_s = timeout_seconds();
+  const Tags tags = tags_of(channel);
 
   // 1. metadata: one message to and from every peer (self included, by copy).
   const int L = message_len(m);
@@ -137,7 +163,7 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
     if (p == me) continue;
     reqs.emplace_back();
     peers.push_back(p);
-    int rc = MPI_Irecv(theirs.data() + static_cast<size_t>(p) * L, L, MPI_INT64_T, p, kMetaTag,
+    int rc = MPI_Irecv(theirs.data() + static_cast<size_t>(p) * L, L, MPI_INT64_T, p, tags.meta,
                        c.comm, &reqs.back());
     if (rc != MPI_SUCCESS) return ffi::Error::Internal(where + ": MPI_Irecv of metadata from peer " +
                                                        std::to_string(p) + " failed: " + mpi_error(rc));
@@ -146,8 +172,8 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
     if (p == me) continue;
     reqs.emplace_back();
     peers.push_back(p);
-    int rc = MPI_Isend(mine.data() + static_cast<size_t>(p) * L, L, MPI_INT64_T, p, kMetaTag, c.comm,
-                       &reqs.back());
+    int rc = MPI_Isend(mine.data() + static_cast<size_t>(p) * L, L, MPI_INT64_T, p, tags.meta,
+                       c.comm, &reqs.back());
     if (rc != MPI_SUCCESS) return ffi::Error::Internal(where + ": MPI_Isend of metadata to peer " +
                                                        std::to_string(p) + " failed: " + mpi_error(rc));
   }
@@ -177,10 +203,8 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
               theirs.data() + static_cast<size_t>(p) * L, me, p, m);
   }
 
-  // 3. payload.
-  // MPI_Ialltoallv is collective: with one segment per peer every rank calls it, even with nothing
-  // to move; with several, only the planned point-to-point transfers are posted.
-  if (m == 1 || !plan.sends.empty() || !plan.recvs.empty()) {
+  // 3. payload: the planned point-to-point transfers (a rank's rows to itself included).
+  if (!plan.sends.empty() || !plan.recvs.empty()) {
     for (const auto* list : {&plan.sends, &plan.recvs}) {
       for (const Transfer& t : *list) {
         if (t.row > INT_MAX || t.rows > INT_MAX) {
@@ -201,29 +225,19 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
     reqs.clear();
     peers.clear();
     int rc = MPI_SUCCESS;
-    if (m == 1) {
-      std::vector<int> scount(n, 0), sdispl(n, 0), rcount(n, 0), rdispl(n, 0);
-      for (const Transfer& t : plan.sends) scount[t.peer] = int(t.rows), sdispl[t.peer] = int(t.row);
-      for (const Transfer& t : plan.recvs) rcount[t.peer] = int(t.rows), rdispl[t.peer] = int(t.row);
+    for (const Transfer& t : plan.recvs) {
       reqs.emplace_back();
-      peers.push_back(-1);
-      rc = MPI_Ialltoallv(in, scount.data(), sdispl.data(), row_type, out, rcount.data(),
-                          rdispl.data(), row_type, c.comm, &reqs.back());
-    } else {
-      for (const Transfer& t : plan.recvs) {
-        reqs.emplace_back();
-        peers.push_back(t.peer);
-        rc = MPI_Irecv(out + t.row * row_bytes, int(t.rows), row_type, t.peer, kDataTag + t.slot,
-                       c.comm, &reqs.back());
-        if (rc != MPI_SUCCESS) break;
-      }
-      for (const Transfer& t : plan.sends) {
-        if (rc != MPI_SUCCESS) break;
-        reqs.emplace_back();
-        peers.push_back(t.peer);
-        rc = MPI_Isend(in + t.row * row_bytes, int(t.rows), row_type, t.peer, kDataTag + t.slot,
-                       c.comm, &reqs.back());
-      }
+      peers.push_back(t.peer);
+      rc = MPI_Irecv(out + t.row * row_bytes, int(t.rows), row_type, t.peer, tags.data, c.comm,
+                     &reqs.back());
+      if (rc != MPI_SUCCESS) break;
+    }
+    for (const Transfer& t : plan.sends) {
+      if (rc != MPI_SUCCESS) break;
+      reqs.emplace_back();
+      peers.push_back(t.peer);
+      rc = MPI_Isend(in + t.row * row_bytes, int(t.rows), row_type, t.peer, tags.data, c.comm,
+                     &reqs.back());
     }
     if (rc != MPI_SUCCESS) {
       MPI_Type_free(&row_type);
@@ -249,9 +263,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kExchange, Exchange,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // send_sizes
                                   .Arg<ffi::Buffer<ffi::S32>>()  // output_offsets
                                   .Arg<ffi::Buffer<ffi::S32>>()  // recv_sizes
+                                  .Arg<ffi::AnyBuffer>()  // after: the previous exchange's result
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm_key")
                                   .Attr<int64_t>("tag")
+                                  .Attr<int64_t>("channel")
                                   .Attr<std::string_view>("label"));
 
 void register_comm(int64_t key, intptr_t handle) {
