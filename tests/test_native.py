@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -175,6 +176,36 @@ def test_native_lowering_has_no_xla_collective_for_the_payload(sharded, n, nativ
                                                              "ep_comm_nccl_done"}
     assert want <= names
     assert not re.search(r"stablehlo\.all_to_all|all-to-all", text)
+
+
+def test_independent_exchanges_in_one_program_stay_apart(sharded, n, native):
+    """Three exchanges with no data dependence between them in one program: each must deliver its
+    own rows on every rank (XLA:CPU may run independent custom calls in any order, differently in
+    each process; the mpi lowering chains them and tags each call)."""
+    io, ss, oo, rs = uniform_case(n)
+    ints = [x.astype(np.int32).reshape(-1) for x in (io, ss, oo, rs)]
+    a = np.arange(n * ROWS * D, dtype=np.float32).reshape(n * ROWS, D)
+
+    def f(a, b, io, ss, oo, rs):
+        outs = [_ragged_all_to_all(a * (i + 1), b, io, ss, oo, rs, axis_name=AXIS,
+                                   backend=native, label=f"exchange {i}") for i in range(3)]
+        return jnp.stack(outs, axis=1)
+
+    fn = sharded.smap(f)
+    args = sharded.put(a, np.zeros_like(a), *ints)
+    if native == "mpi":  # the exchanges are chained: each takes the previous one's result
+        calls = re.findall(r"(%\S+) = stablehlo\.custom_call @ep_comm_mpi_exchange\((.*?)\)",
+                           fn.lower(*args).as_text())
+        assert len(calls) == 3
+        for (prev, _), (_, operands) in zip(calls, calls[1:]):
+            assert operands.split(", ")[-1] == prev
+    for _ in range(3):
+        got = sharded.get(fn(*args)).reshape(n, ROWS, 3, D)
+        want = a.reshape(n, ROWS, D)
+        for i in range(3):
+            for d in range(n):
+                for s_ in range(n):
+                    np.testing.assert_array_equal(got[d, s_, i], (i + 1) * want[s_, d])
 
 
 def test_built_engines_report_their_libraries():
