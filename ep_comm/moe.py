@@ -266,14 +266,15 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
 
     # 1. layout of this rank's tokens.
     layout, valid, dest, local = layout_and_routes(topk_ids, cfg.placement)
-    G = plan.shape[1]
-    N = n // G
-    node = dest // G  # N for ids that are not routed
-    in_node = jnp.any(node[:, :, None] == jnp.arange(N, dtype=i32), axis=1)  # (T, N)
+    hierarchical = plan.kind == "hierarchical"
+    if hierarchical:
+        N, G = plan.shape
+        node = dest // G  # N for ids that are not routed
+        in_node = jnp.any(node[:, :, None] == jnp.arange(N, dtype=i32), axis=1)  # (T, N)
 
     # 2. the n x n traffic matrices (and tokens per node), identical on every rank.
     mine = [layout.num_tokens_per_rank, layout.num_pairs_per_rank]
-    if plan.kind == "hierarchical":
+    if hierarchical:
         mine.append(jnp.sum(in_node, axis=0, dtype=i32))
     counts = lax.all_gather(jnp.concatenate(mine), ax)
     tok = counts[:, :n]  # [s, d] tokens s -> d
@@ -283,9 +284,11 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
 
     # 3. move tokens and routing (weights, and ids as float32: exact below 2**24) to the ranks.
     route = jnp.concatenate([topk_weights.astype(jnp.float32), topk_ids.astype(jnp.float32)], 1)
-    move = _flat_dispatch if plan.kind == "flat" else _hierarchical_dispatch
-    moved = move(cfg, plan, x, route, dest, node, in_node, tok, kept,
-                 counts[:, 2 * n:], me)
+    if hierarchical:
+        moved = _hierarchical_dispatch(cfg, plan, x, route, node, in_node, kept,
+                                       counts[:, 2 * n:], me)
+    else:
+        moved = _flat_dispatch(cfg, plan, x, route, dest, tok, kept, me)
     buf_x, buf_route, flat_to_buf = moved["x"], moved["route"], moved["flat_to_buf"]
 
     # received rows in the flat order (source rank, source token), routing masked to this rank
@@ -403,8 +406,7 @@ def _move(cfg, stage, leg, x, route, rows, segment_rows, what):
             _exchange(cfg, stage, leg, route, rows, segment_rows, f"dispatch ({what}routing)"))
 
 
-def _flat_dispatch(cfg, plan, x, route, dest, node, in_node, tok, kept, node_tok, me):
-    del node, in_node, node_tok
+def _flat_dispatch(cfg, plan, x, route, dest, tok, kept, me):
     T, K, n = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks
     R = cfg.recv_token_rows
     send_starts = _exclusive_cumsum(tok, axis=1)  # row of s's send buffer where d's block starts
@@ -424,8 +426,7 @@ def _first_rows(dest, send_row, P):
     return jnp.where(first, jnp.take_along_axis(send_row, jnp.minimum(dest, P - 1), 1), -1)
 
 
-def _hierarchical_dispatch(cfg, plan, x, route, dest, node, in_node, tok, kept, node_tok, me):
-    del dest, tok
+def _hierarchical_dispatch(cfg, plan, x, route, node, in_node, kept, node_tok, me):
     T, K, n, L = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks, cfg.experts_per_rank
     R = cfg.recv_token_rows
     N, G = plan.shape

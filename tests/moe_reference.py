@@ -75,3 +75,17 @@ class Reference:
             v = xs if W is None else np.einsum("th,thf->tf", xs, np.asarray(W, np.float64)[e])
             y = y + np.where(self.kept[:, k], np.asarray(w[:, k], np.float64), 0.0)[:, None] * v
         return y
+
+
+def dense_moe(x, ids, w, W):
+    """Single-device dense MoE in float32 (jax, differentiable): ``sum_k w[:, k] * x @ W[ids[:, k]]``
+    over the slots with ``ids >= 0``."""
+    import jax.numpy as jnp
+
+    E = W.shape[0]
+    out = 0.0
+    for k in range(ids.shape[1]):
+        e = jnp.clip(ids[:, k], 0, E - 1)
+        out = out + jnp.where(ids[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) * \
+            jnp.einsum("th,thf->tf", x, W[e])
+    return out

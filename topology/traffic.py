@@ -112,12 +112,11 @@ def row_bytes(hidden: int, dtype, topk: int, combine_dtype=None) -> tuple[int, i
     return hidden * b + 2 * topk * 4, hidden * wire
 
 
-def _legs(plan: str, topology: Topology, tok: np.ndarray, kept: np.ndarray, node_tok: np.ndarray,
+def _legs(plan: str, topology: Topology, kept: np.ndarray, node_tok: np.ndarray,
           fwd: np.ndarray, hidden: int, dtype, topk: int, combine_dtype) -> tuple[Exchange, ...]:
-    """Legs from the count matrices (exact or expected): ``tok[s, d]`` tokens s->d, ``kept`` the
-    part of it the receiver keeps, ``node_tok[s, b]`` tokens s->node b, ``fwd[f, d]`` rows
-    forwarder f sends to d in stage 2."""
-    del tok
+    """Legs from the count matrices (exact or expected): ``kept[s, d]`` tokens s sends d that d
+    keeps, ``node_tok[s, b]`` tokens s->node b, ``fwd[f, d]`` rows forwarder f sends to d in
+    stage 2."""
     disp, comb_ = row_bytes(hidden, dtype, topk, combine_dtype)
     if plan == "flat":
         return (Exchange("dispatch exchange", "dispatch", kept, disp, 2),
@@ -189,7 +188,7 @@ def count_traffic(topk_ids, *, num_experts: int, topology: Topology, hidden: int
     _check_plan(plan, "count_traffic")
     m = count_matrices(topk_ids, num_experts, topology, recv_token_rows)
     K = np.asarray(topk_ids).shape[2]
-    return Traffic(plan, topology, _legs(plan, topology, m["tok"], m["kept"], m["node_tok"],
+    return Traffic(plan, topology, _legs(plan, topology, m["kept"], m["node_tok"],
                                          m["fwd"], hidden, dtype, K, combine_dtype))
 
 
@@ -220,5 +219,5 @@ def expected_traffic(*, num_experts: int, topk: int, tokens_per_rank: int, topol
     for d in range(n):
         for lf in range(G):
             fwd[(d // G) * G + lf, d] = N * T * p_rank
-    return Traffic(plan, topology, _legs(plan, topology, tok, tok, node_tok, fwd, hidden, dtype,
+    return Traffic(plan, topology, _legs(plan, topology, tok, node_tok, fwd, hidden, dtype,
                                          topk, combine_dtype))
