@@ -4,6 +4,16 @@ Single process: ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` gives 8 C
 Under ``mpirun -n N``: ``ep_comm.distributed.initialize`` joins the processes (gloo), each with
 ``EP_COMM_CPU_DEVICES`` devices (default 2). Every test builds the same full numpy inputs on every
 process (seeds are agreed across processes), runs on the global mesh and compares the full results.
+
+Seeds: every run draws a fresh base seed, prints it in the header and exports it as
+``EP_COMM_TEST_SEED`` (so subprocesses and pytest-xdist workers share it); setting
+``EP_COMM_TEST_SEED`` replays a run. The ``rng`` fixture and the hypothesis search both derive
+from it.
+
+Markers: ``multiprocess`` marks the tests whose outcome depends on running as several processes
+(the native MPI engine, bootstrap and launch helpers, the exchanges and dispatch/combine
+equalities across process boundaries and at other rank counts). ``scripts/run.sh test`` runs
+the whole suite once on 8 devices and only these under ``mpirun``.
 """
 
 from __future__ import annotations
@@ -24,6 +34,12 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 AXIS = "ep"
+if os.environ.get("EP_COMM_TEST_COMPILE_CACHE"):
+    # Repeated runs of the same programs (scripts/seed_sweep.sh: only the data changes) load them
+    # from JAX's persistent compilation cache instead of compiling them again.
+    jax.config.update("jax_compilation_cache_dir", os.environ["EP_COMM_TEST_COMPILE_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Tests compare against float64 references; on GPUs XLA's default float32 matmul is TF32.
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -40,6 +56,8 @@ def _base_seed() -> int:
 
 
 BASE_SEED = _base_seed()
+# Subprocesses a test starts (and pytest-xdist workers) inherit the seed.
+os.environ["EP_COMM_TEST_SEED"] = str(BASE_SEED)
 
 # Every transport the suite runs against; each test skips those that cannot run here.
 ALL_BACKENDS = ["portable", "xla", "mpi", "nccl"]

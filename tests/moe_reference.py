@@ -89,3 +89,17 @@ def dense_moe(x, ids, w, W):
         out = out + jnp.where(ids[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) * \
             jnp.einsum("th,thf->tf", x, W[e])
     return out
+
+
+def hits_mean_sd(E, K, sizes):
+    """Mean and standard deviation of how many of the disjoint expert sets of the given ``sizes``
+    a token hits when it picks ``K`` distinct experts of ``E`` uniformly (the ``random`` routing):
+    a set of ``s`` experts is missed with probability ``C(E - s, K) / C(E, K)``, two sets together
+    with that of their union, which gives the second moment exactly."""
+    from math import comb, sqrt
+
+    miss = lambda s: comb(E - s, K) / comb(E, K)  # noqa: E731
+    mean = sum(1 - miss(s) for s in sizes)
+    both = sum(1 - miss(a) - miss(b) + miss(a + b)
+               for i, a in enumerate(sizes) for j, b in enumerate(sizes) if i != j)
+    return mean, sqrt(max(mean + both - mean * mean, 0.0))

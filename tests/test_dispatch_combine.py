@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -34,14 +35,22 @@ def inputs(rng, n, kind, dtype=np.float32):
     return x, ids, w
 
 
-def run_identity(sharded, cfg, x, ids, w):
+@functools.lru_cache(maxsize=None)
+def identity_program(sharded, cfg):
+    """dispatch, then combine of the expert rows as they are; compiled once per config (tests that
+    differ only in their data share it)."""
     def f(x, ids, w):
         ex, h = ep_comm.dispatch(x, ids, w, cfg)
         return ex, ep_comm.combine(ex, h), h
 
-    return sharded.get(sharded.smap(f)(*sharded.put(x, ids, w)))
+    return sharded.smap(f)
 
 
+def run_identity(sharded, cfg, x, ids, w):
+    return sharded.get(identity_program(sharded, cfg)(*sharded.put(x, ids, w)))
+
+
+@pytest.mark.multiprocess
 @BACKENDS
 @pytest.mark.parametrize("kind", ROUTINGS)
 def test_dispatch_layout_and_identity_combine(sharded, n, rng, kind, backend):
@@ -76,6 +85,7 @@ def test_dispatch_layout_function(rng, n):
     assert int(lay.num_invalid) == 1
 
 
+@pytest.mark.multiprocess
 def test_each_token_sent_once_per_rank(sharded, n, rng):
     cfg = config(n)
     x, ids, w = inputs(rng, n, "random")
@@ -87,6 +97,7 @@ def test_each_token_sent_once_per_rank(sharded, n, rng):
     np.testing.assert_array_equal(sent, want)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["random", "masked"])
 def test_linear_experts_equal_dense_model_with_gradients(sharded, n, rng, kind):
     cfg = config(n)
@@ -133,6 +144,7 @@ def test_bfloat16_tokens(sharded, n, rng, combine_dtype):
                                 * w.sum(1, keepdims=True)))
 
 
+@pytest.mark.multiprocess
 def test_backends_agree_bit_for_bit(sharded, n, rng):
     backends = [b for b in ALL_BACKENDS if backend_skip_reason(b) is None]
     if len(backends) < 2:
@@ -155,6 +167,7 @@ def test_deterministic(sharded, n, rng):
 
 # ---- capacity overflow: counted and reported, never silent -----------------------------------------
 
+@pytest.mark.multiprocess
 @BACKENDS
 def test_small_capacity_overflow_is_counted_and_reported(sharded, n, rng, backend):
     cfg = config(n, backend, recv_capacity=T)  # far below the worst case
@@ -175,6 +188,7 @@ def test_small_capacity_overflow_is_counted_and_reported(sharded, n, rng, backen
         ep_comm.check(h)
 
 
+@pytest.mark.multiprocess
 def test_overflow_raise_mode_raises_at_run_time(sharded, n, rng):
     cfg = config(n, recv_capacity=T, overflow="raise")
     x, ids, w = inputs(rng, n, "one_rank")
@@ -184,6 +198,7 @@ def test_overflow_raise_mode_raises_at_run_time(sharded, n, rng):
     run_identity(sharded, cfg_ok, x, ids, w)  # dropless: nothing to raise
 
 
+@pytest.mark.multiprocess
 def test_check_inside_shard_map(sharded, n, rng):
     cfg = config(n, recv_capacity=T)
     x, ids, w = inputs(rng, n, "one_rank")

@@ -11,6 +11,8 @@ import pytest
 import ep_comm
 from conftest import _INFO
 
+pytestmark = pytest.mark.multiprocess  # the whole file is about processes
+
 
 @pytest.mark.parametrize("env,want", [
     ({}, ("single", 0, 1)),

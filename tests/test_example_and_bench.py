@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import moe_transformer  # noqa: E402
 
 
+@pytest.mark.multiprocess
 def test_example_matches_dense_at_step_0_and_learns(n):
     cfg = moe_transformer.ModelConfig(layers=1, num_experts=2 * n, dim=32, ffn=64, seq=8)
     trainer = moe_transformer.Trainer(cfg, batch=2 * n, seed=1)
@@ -31,6 +32,7 @@ def test_example_rejects_indivisible_batch(n):
         moe_transformer.Trainer(moe_transformer.ModelConfig(num_experts=2 * n), batch=n + 1)
 
 
+@pytest.mark.multiprocess
 def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
     bc = bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=8 * n,
                            dtype="float32", routing="skewed")
@@ -49,6 +51,7 @@ def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
     assert report["hardware"].startswith(f"{jax.device_count()} x ")
 
 
+@pytest.mark.multiprocess
 def test_bench_compares_flat_and_hierarchical(n):
     if n < 2 or n % 2:
         pytest.skip("needs an even device count")

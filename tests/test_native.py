@@ -23,6 +23,7 @@ from conftest import AXIS, Sharded, backend_skip_reason, needs_backend
 from ep_comm.ragged import _ragged_all_to_all
 
 ROWS, D = 6, 3
+pytestmark = pytest.mark.multiprocess  # the whole file is about processes
 
 
 @pytest.fixture(params=["mpi", "nccl"])

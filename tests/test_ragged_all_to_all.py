@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -82,15 +83,23 @@ def reference(operand, output, io, ss, oo, rs, groups, m):
     return out
 
 
-def run(sharded, n, operand, output, io, ss, oo, rs, groups=None, backend="portable"):
+@functools.lru_cache(maxsize=None)
+def program(sharded, groups, backend):
+    """The exchange, jitted once per (groups, backend); shapes and dtypes retrace as usual."""
     def f(a, b, c, d, e, f_):
         return ep_comm.ragged_all_to_all(a, b, c, d, e, f_, axis_name="ep",
-                                         axis_index_groups=groups, backend=backend)
+                                         axis_index_groups=groups and [list(g) for g in groups],
+                                         backend=backend)
 
+    return sharded.smap(f)
+
+
+def run(sharded, n, operand, output, io, ss, oo, rs, groups=None, backend="portable"):
+    groups = groups and tuple(tuple(g) for g in groups)
     args = [operand.reshape(n * operand.shape[1], *operand.shape[2:]),
             output.reshape(n * output.shape[1], *output.shape[2:])]
     args += [a.astype(np.int32).reshape(-1) for a in (io, ss, oo, rs)]
-    res = sharded.get(sharded.smap(f)(*sharded.put(*args)))
+    res = sharded.get(program(sharded, groups, backend)(*sharded.put(*args)))
     return res.reshape(output.shape)
 
 
@@ -102,6 +111,7 @@ def data(rng, n, dtype):
             np.full((n, M_ROWS, D), np.nan).astype(dtype))  # poison: unwritten rows stay NaN
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
 @pytest.mark.parametrize("kind", ["random", "skew", "empty", "two_per_peer"])
@@ -116,6 +126,7 @@ def test_matches_reference(sharded, n, rng, dtype, kind, backend):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_axis_index_groups(sharded, n, rng, backend):
     needs_backend(backend)
@@ -131,6 +142,7 @@ def test_axis_index_groups(sharded, n, rng, backend):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_grad_operand_and_output(sharded, n, rng, backend):
     needs_backend(backend)
@@ -164,6 +176,7 @@ def test_grad_operand_and_output(sharded, n, rng, backend):
     np.testing.assert_allclose(gb.reshape(want_b.shape), want_b, rtol=0, atol=0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_jvp_is_exchange_of_tangents(sharded, n, rng, backend):
     needs_backend(backend)
@@ -188,6 +201,7 @@ def rank_major(per_batch):
     return x.reshape(-1, *x.shape[3:]) if x.ndim > 3 else x.reshape(-1)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_vmap_over_a_batch(sharded, n, rng, backend):
     needs_backend(backend)
@@ -323,6 +337,7 @@ def test_auto_picks_nccl_on_gpus_where_built():
 
 # ---- the async pair ----------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_start_done_equals_the_fused_exchange(sharded, n, rng, backend):
     needs_backend(backend)
@@ -352,6 +367,7 @@ def test_done_needs_a_pending_exchange():
         ep_comm.ragged_all_to_all_done(np.zeros(3))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ["mpi", "nccl"])
 def test_start_done_say_how_to_differentiate(sharded, n, rng, backend):
     needs_backend(backend)
