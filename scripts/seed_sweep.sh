@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Flakiness sweep: the single-process suite (8 CPU devices) under SINGLE seeds and the tests marked
-# multiprocess under `mpirun -n 2` (one device per process: the MPI engine runs) under MPI seeds,
+# multiprocess under `mpirun -n 2` (one device per process: the MPI engine runs; XLA flags as in
+# scripts/run.sh test) under MPI seeds,
 # each run with EP_COMM_TEST_SEED = FIRST, FIRST+1, ... Every run's summary line goes to stdout and
 # to ${OUT:-sweep}/summary.txt, the whole output of a failing run to ${OUT}/fail_<phase>_<seed>.txt;
 # the exit status is the number of failing runs (0: none). Programs do not change with the seed,
@@ -34,7 +35,7 @@ for ((s = FIRST; s < FIRST + SINGLE; s++)); do
     "$PY" -m pytest -q -p no:cacheprovider --timeout 600 tests "$@"
 done
 for ((s = FIRST; s < FIRST + MPI; s++)); do
-  one mpi2 "$s" env XLA_FLAGS= EP_COMM_CPU_DEVICES=1 mpirun -n 2 --oversubscribe \
+  one mpi2 "$s" env XLA_FLAGS=--xla_backend_optimization_level=0 EP_COMM_CPU_DEVICES=1 mpirun -n 2 --oversubscribe \
     "$PY" -m pytest --with-mpi -q -p no:cacheprovider --timeout 300 -m multiprocess tests "$@"
 done
 echo "$failed failing run(s) of $((SINGLE + MPI))" | tee -a "$OUT/summary.txt"
