@@ -30,10 +30,26 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
-import ep_comm
-from ep_comm.bench import _median_us, emit, hardware
+from collectives import bootstrap, native
+from collectives.timing import emit, hardware, median_us
+from topology.processes import global_array, initialize, to_host
 
 AXIS = "ep"
+
+
+def _exchange(backend):
+    """The transport's ragged all-to-all over the bench's axis (the engine's own entry: the inputs
+    here are well-formed, so ep_comm.ragged_all_to_all's validation has nothing to add)."""
+    _, transport = collectives.resolve(backend)
+    return lambda *z: transport(*z, axis_name=AXIS)
+
+
+def device_copy(x, into):
+    """``x`` copied into ``into``'s buffer (same shape and dtype) by one ``cudaMemcpyAsync``: the
+    benchmark's ceiling for moving its bytes."""
+    bootstrap.register_targets("nccl")
+    return jax.ffi.ffi_call("ep_comm_device_copy", jax.ShapeDtypeStruct(into.shape, into.dtype),
+                            input_output_aliases={1: 0})(x, into)
 
 
 @contextlib.contextmanager
@@ -67,7 +83,7 @@ def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bo
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n * rows, hidden)).astype(dt)
     spec = NamedSharding(mesh, P(AXIS))
-    put = lambda a: ep_comm.distributed.global_array(a, spec)
+    put = lambda a: global_array(a, spec)
     plan = uniform_plan(n, rows)
     want = x.reshape(n, n, rows // n, hidden).swapaxes(0, 1).reshape(n * rows, hidden)
     args = [put(x), put(np.zeros_like(x))] + [put(a.reshape(-1)) for a in plan]
@@ -87,24 +103,22 @@ def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bo
 
     def measure(impl, op, fargs, expect=want):
         out = smap(op)(*fargs)
-        wrong = int(np.sum(ep_comm.distributed.to_host(out) != expect))
-        t = _median_us(looped(op), fargs, warmup, iters) / inner
+        wrong = int(np.sum(to_host(out) != expect))
+        t = median_us(looped(op), fargs, warmup, iters) / inner
         results.append(dict(impl=impl, time_us=t, bytes=nbytes, wrong=wrong))
 
     if gpu:  # a copy is no exchange: it is checked against its input
-        measure("device copy", lambda a, b, *_: collectives.native.device_copy(a, b), args[:2], x)
+        measure("device copy", lambda a, b, *_: device_copy(a, b), args[:2], x)
     rows_ = []
     avail = collectives.available()
     for backend in ("nccl", "xla", "portable", "mpi"):
         if avail[backend] is not None or (backend == "mpi" and jax.local_device_count() != 1):
             continue
-        fn = lambda *a, b=backend: ep_comm.ragged_all_to_all(*a, axis_name=AXIS, backend=b)
-        measure(f"ep_comm/{backend}", fn, args)
+        measure(f"ep_comm/{backend}", _exchange(backend), args)
         rows_.append(backend)
         if backend == "nccl" and n == 1:
             with _env("EP_COMM_NCCL_SELF", "1"):
-                fn2 = lambda *a: ep_comm.ragged_all_to_all(*a, axis_name=AXIS, backend="nccl")
-                measure("ep_comm/nccl host path", fn2, args)
+                measure("ep_comm/nccl host path", _exchange("nccl"), args)
     copy_t = next((r["time_us"] for r in results if r["impl"] == "device copy"), None)
     for r in results:
         r["algbw_GBps"] = r["bytes"] / (r["time_us"] * 1e3)
@@ -131,23 +145,25 @@ def _overlap(smap, put, args, backend, hidden, dt, n, warmup, iters, profile):
             a = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dt)
         return a
 
-    def ex(*z):
-        return ep_comm.ragged_all_to_all(*z, axis_name=AXIS, backend=backend)
-
     def both(a, *z):  # start; matmul; done -- pinned in that order by optimization barriers
-        pending = ep_comm.ragged_all_to_all_start(*z, axis_name=AXIS, backend=backend)
-        a, pending = jax.lax.optimization_barrier((a, pending))
+        if backend in native.TRANSPORTS:
+            result, ws, keep, params = native.exchange_start(backend, *z, axis_name=AXIS)
+            done = lambda p: native.exchange_done(*p, params)  # noqa: E731
+        else:  # the whole exchange happens at "start"
+            result, ws, keep = _exchange(backend)(*z), None, ()
+            done = lambda p: p[0]  # noqa: E731
+        a, pending = jax.lax.optimization_barrier((a, (result, ws, keep)))
         y = mm(a)
         y, pending = jax.lax.optimization_barrier((y, pending))
-        return y, ep_comm.ragged_all_to_all_done(pending)
+        return y, done(pending)
 
     f_mm = smap(mm)
-    f_ex = smap(ex)
+    f_ex = smap(_exchange(backend))
     f_both = jax.jit(jax.shard_map(both, mesh=args[0].sharding.mesh, in_specs=P(AXIS),
                                    out_specs=(P(AXIS), P(AXIS))))
-    t_mm = _median_us(f_mm, (a,), warmup, iters)
-    t_ex = _median_us(f_ex, args, warmup, iters)
-    t_both = _median_us(f_both, (a, *args), warmup, iters)
+    t_mm = median_us(f_mm, (a,), warmup, iters)
+    t_ex = median_us(f_ex, args, warmup, iters)
+    t_both = median_us(f_both, (a, *args), warmup, iters)
     out = dict(backend=backend, matmul_us=t_mm, exchange_us=t_ex, both_us=t_both,
                hidden_us=t_mm + t_ex - t_both)
     if profile:
@@ -224,7 +240,7 @@ def main(argv=None):
                     help="fit the cost model's link (alpha, beta) to the timed sizes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    ep_comm.distributed.initialize(local_device_count=args.devices)
+    initialize(local_device_count=args.devices)
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     reports = emit((run(rows, args.hidden, dtype, args.warmup, args.iters, args.overlap,
                         args.profile, args.inner) for rows in map(int, args.rows.split(","))),

@@ -24,13 +24,14 @@ import atexit
 import ctypes
 import hashlib
 import importlib
-import json
 import os
 import threading
 import warnings
 from typing import Sequence
 
 import jax
+
+from topology.processes import process_allgather
 
 PROTOCOL = 1  # keep in step with kMagic in csrc/exchange_plan.h ("epc1")
 
@@ -39,7 +40,6 @@ _modules: dict[str, object] = {}
 _reasons: dict[str, str] = {}
 _registered: set[str] = set()
 _comms: dict[int, dict] = {}  # key -> {"transport", "groups", "mpi_comm"?}
-_generation = 0
 _atexit = False
 
 
@@ -130,46 +130,6 @@ def comm_key(transport: str, groups: Sequence[Sequence[jax.Device]]) -> int:
     """Deterministic 62-bit key of a set of device groups (the same in every process)."""
     text = transport + ":" + ";".join(",".join(str(d.id) for d in g) for g in groups)
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
-
-
-def _bootstrap_how() -> str:
-    how = os.environ.get("EP_COMM_BOOTSTRAP", "kv")
-    if how not in ("kv", "mpi"):
-        raise ValueError(f"EP_COMM_BOOTSTRAP must be 'kv' or 'mpi', got {how!r}")
-    return how
-
-
-def process_allgather(payload: dict, how: str | None = None,
-                      what: str = "communicator setup") -> list[dict]:
-    """Every process's JSON-able ``payload``, in process order (collective: every process calls
-    it, in the same order). ``how``: ``"kv"`` (the ``jax.distributed`` key-value store) or
-    ``"mpi"`` (mpi4py); default ``EP_COMM_BOOTSTRAP`` or ``"kv"``."""
-    if jax.process_count() == 1:
-        return [payload]
-    how = how or _bootstrap_how()
-    global _generation
-    _generation += 1
-    if how == "mpi":
-        from mpi4py import MPI
-        got = MPI.COMM_WORLD.allgather((jax.process_index(), payload))
-        return [p for _, p in sorted(got, key=lambda t: t[0])]
-    from jax._src import distributed
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("ep_comm: several JAX processes but jax.distributed is not initialised; "
-                           "call ep_comm.distributed.initialize() or set EP_COMM_BOOTSTRAP=mpi")
-    prefix = f"ep_comm/bootstrap/{_generation}"  # the same in every process: calls are collective
-    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(payload))
-    timeout_ms = int(float(os.environ.get("EP_COMM_TIMEOUT_S", "300")) * 1000)
-    out = []
-    for p in range(jax.process_count()):
-        try:
-            out.append(json.loads(client.blocking_key_value_get(f"{prefix}/{p}", timeout_ms)))
-        except Exception as e:  # the client raises its own error types
-            raise TimeoutError(f"ep_comm bootstrap: process {p} did not publish its {what} "
-                               f"within {timeout_ms / 1000:.0f} s ({e}); every process must "
-                               f"make the same calls (lower the same program)") from None
-    return out
 
 
 def _agree(transport: str, infos: list[dict]) -> None:

@@ -39,6 +39,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from collectives import bootstrap
+from topology.jax_compat import axis_size, module_state, named_axis_effects
 
 TRANSPORTS = ("mpi", "nccl")
 _PLATFORM = {"mpi": "cpu", "nccl": "cuda"}
@@ -89,8 +90,17 @@ def _impl(*args, **params):
     raise RuntimeError("ep_comm's native exchange must be used inside jax.shard_map (and jit)")
 
 
-def _abstract_eval(operand, output, *idx, axis_name, **params):
-    return output.update(shape=output.shape, weak_type=False), _effects(axis_name)
+def _start_abstract_eval(operand, output, *idx, transport, axis_name, axis_index_groups, **p):
+    """The exchange's result (``output``'s type) and the engine's metadata workspace."""
+    n = _group_size(axis_name, axis_index_groups, "ragged_all_to_all")
+    return ([output.update(shape=output.shape, weak_type=False),
+             _workspace_aval(transport, n, idx[0].shape[0])], named_axis_effects(axis_name))
+
+
+def _abstract_eval(*args, **params):
+    """The fused exchange's result is start's (its workspace stays inside the lowering)."""
+    (result, _), effects = _start_abstract_eval(*args, **params)
+    return result, effects
 
 
 def _jvp(primals, tangents, **params):
@@ -179,13 +189,7 @@ def device_groups(mesh, axis_name: tuple, axis_index_groups=None) -> list[list]:
 
 def _group_size(axis_name, axis_index_groups, api):
     """Members of one exchange group (traced inside shard_map)."""
-    from ep_comm._compat import axis_size
     return len(axis_index_groups[0]) if axis_index_groups else axis_size(axis_name, api)
-
-
-def _effects(axis_name):
-    from jax._src import core  # NamedAxisEffect: the effect JAX's own collectives declare
-    return {*map(core.NamedAxisEffect, axis_name)}
 
 
 _HEADER, _SLOT = 6, 4  # int64s per metadata message: kHeader + kSlot * m (csrc/exchange_plan.h)
@@ -210,17 +214,14 @@ def _comm_key(ctx, transport, axis_name, axis_index_groups, label, platform):
     return bootstrap.communicator(transport, groups), len(groups[0])
 
 
-_MPI_CHAIN: dict = {}
-
-
 def _mpi_chain_previous(module_context):
     """The result of the last mpi exchange lowered into the current block of this module (and its
     aval), or an empty constant when there is none: the next exchange takes it as an operand, so
-    XLA runs the block's exchanges in program order in every process. Values are only looked at
-    while their module is being lowered (the chain holds the module, so it stays alive)."""
-    last = _MPI_CHAIN.get("last")
-    if last is not None and last[0] is module_context.module:
-        _, value, aval = last
+    XLA runs the block's exchanges in program order in every process. The chain is state of the
+    module being lowered (:func:`topology.jax_compat.module_state`)."""
+    last = module_state(module_context).get("mpi chain")
+    if last is not None:
+        value, aval = last
         if value.owner.operation.block == mlir.ir.InsertionPoint.current.block:
             return value, aval
     return mlir.ir_constant(np.zeros((0,), np.int8)), jax.core.ShapedArray((0,), np.int8)
@@ -243,7 +244,7 @@ def _lower_start(ctx, operand, output, *idx, transport, axis_name, axis_index_gr
                                      avals_out=[ctx.avals_in[1]]),
                          operand, output, *idx, after,
                          channel=np.int64(ctx.module_context.new_channel()), **attrs)
-        _MPI_CHAIN["last"] = (ctx.module_context.module, result, ctx.avals_in[1])
+        module_state(ctx.module_context)["mpi chain"] = (result, ctx.avals_in[1])
         return result, mlir.ir_constant(np.zeros(ws_aval.shape, np.int64)), key, ws_aval
     start = jax.ffi.ffi_lowering("ep_comm_nccl_start", operand_output_aliases={1: 0})
     result, workspace = start(ctx.replace(avals_out=[ctx.avals_in[1], ws_aval]), operand, output,
@@ -293,14 +294,8 @@ exchange_start_p.multiple_results = True
 exchange_done_p = Primitive("ep_comm_ragged_exchange_done")
 
 
-def _start_abstract_eval(operand, output, *idx, transport, axis_name, axis_index_groups, **p):
-    n = _group_size(axis_name, axis_index_groups, "ragged_all_to_all_start")
-    return ([output.update(shape=output.shape, weak_type=False),
-             _workspace_aval(transport, n, idx[0].shape[0])], _effects(axis_name))
-
-
 def _done_abstract_eval(result, workspace, *keep, axis_name, **p):
-    return result, _effects(axis_name)
+    return result, named_axis_effects(axis_name)
 
 
 def _no_rule(what):
@@ -359,10 +354,3 @@ def exchange_done(result, workspace, keep, params):
     """Wait for the exchange issued by :func:`exchange_start`; returns the output."""
     return exchange_done_p.bind(result, workspace, *keep, **params)
 
-
-def device_copy(x, into):
-    """``x`` copied into ``into``'s buffer (same shape and dtype) by one ``cudaMemcpyAsync``: the
-    benchmark's ceiling for moving its bytes."""
-    bootstrap.register_targets("nccl")
-    return jax.ffi.ffi_call("ep_comm_device_copy", jax.ShapeDtypeStruct(into.shape, into.dtype),
-                            input_output_aliases={1: 0})(x, into)

@@ -15,7 +15,9 @@ from ep_comm import distributed
 from ep_comm.config import EPConfig
 from ep_comm.layout import DispatchLayout, dispatch_layout
 from ep_comm import plan
-from ep_comm.moe import EPHandle, EPOverflowError, Leg, check, combine, dispatch, link_bytes
+from ep_comm.handle import EPHandle, link_bytes
+from ep_comm.moe import combine, dispatch
+from ep_comm.overflow import EPOverflowError, check
 from ep_comm.ragged import (PendingExchange, ragged_all_to_all, ragged_all_to_all_done,
                             ragged_all_to_all_start)
 
@@ -24,7 +26,6 @@ __all__ = [
     "EPConfig",
     "EPHandle",
     "EPOverflowError",
-    "Leg",
     "PendingExchange",
     "check",
     "combine",

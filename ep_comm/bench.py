@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
-import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +41,7 @@ import collectives
 import ep_comm
 import topology
 from collectives import portable
+from collectives.timing import emit, hardware, median_us
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,31 +89,6 @@ def capacity_round_trip(x, ids, w, *, axis_name: str, num_experts: int, cap: int
     got = jnp.where(keep[:, None], got.astype(jnp.float32), 0.0).reshape(T, K, -1)
     y = jnp.sum(got * w[:, :, None], axis=1).astype(x.dtype)
     return y, jnp.sum(~keep, dtype=jnp.int32)[None]
-
-
-# ---- measurement ------------------------------------------------------------------------------------
-
-def _median_us(fn, args, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e6)
-
-
-def hardware() -> str:
-    dev = jax.devices()[0]
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{jax.device_count()} x {dev.device_kind} ({dev.platform}), "
-            f"{jax.process_count()} process(es); host CPU: {cpu}; jax {jax.__version__}")
 
 
 def _portable_wire_rows(cfg, plan: str, N: int) -> tuple[int, int]:
@@ -178,8 +151,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
             comb = smap(ep_comm.combine)
             ex, h = disp(xs, idss, ws)
             y = comb(ex, h)
-            t_d = _median_us(disp, (xs, idss, ws), warmup, iters)
-            t_c = _median_us(comb, (ex, h), warmup, iters)
+            t_d = median_us(disp, (xs, idss, ws), warmup, iters)
+            t_c = median_us(comb, (ex, h), warmup, iters)
             # bytes per rank and link class, as dispatch counted them: (n, phase, class)
             sent = ep_comm.distributed.to_host(h.link_rows).reshape(n, 2, -1).astype(np.float64)
             sent = sent * np.array([row_d, row_c])[None, :, None]
@@ -204,14 +177,14 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         cap = capacity_slots(cf, T, K, E)
         fn = smap(functools.partial(capacity_round_trip, axis_name="ep", num_experts=E, cap=cap))
         y, dropped = fn(xs, idss, ws)
-        t = _median_us(fn, (xs, idss, ws), warmup, iters)
+        t = median_us(fn, (xs, idss, ws), warmup, iters)
         results.append(dict(impl=f"capacity cf={cf}", plan="-", phase="round trip", time_us=t,
                             wire=2 * E * cap * H * itemsize, wrong=wrong(y),
                             dropped=int(ep_comm.distributed.to_host(dropped).sum()),
                             buffers=2 * E * cap * H * itemsize))
     if T % n == 0:  # the ceiling: a dense all-to-all of each rank's T token rows, no routing
         fn = smap(lambda x: lax.all_to_all(x, "ep", 0, 0, tiled=True))
-        t = _median_us(fn, (xs,), warmup, iters)
+        t = median_us(fn, (xs,), warmup, iters)
         results.append(dict(impl="lax.all_to_all", plan="-", phase="T rows", time_us=t, wrong=0,
                             dropped=0,
                             wire=T * H * itemsize, buffers=T * H * itemsize,
@@ -296,20 +269,6 @@ def main(argv=None):
                                  dtype, routing), args.warmup, args.iters, backends=backends,
                      topo=topo, plans=plans)
                  for routing in args.routing.split(",")), table, args.json)
-
-
-def emit(reports, table_fn, json_path=None) -> list:
-    """Run the (lazy) ``reports``, printing each as a table on process 0 as it completes, then
-    write them all to ``json_path``; returns them."""
-    done = []
-    for rep in reports:
-        done.append(rep)
-        if jax.process_index() == 0:
-            print(table_fn(rep), flush=True)
-    if json_path and jax.process_index() == 0:
-        with open(json_path, "w") as f:
-            json.dump(done, f, indent=1)
-    return done
 
 
 if __name__ == "__main__":

@@ -11,14 +11,10 @@ import numpy as np
 
 import collectives
 from topology import CostModel, ExpertPlacement, Topology
+from topology.checks import positive_int
 
 OVERFLOW_MODES = ("count", "raise")
 PLAN_CHOICES = ("auto", "flat", "hierarchical")
-
-
-def _positive_int(owner: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +34,8 @@ class EPConfig:
         A smaller value saves memory; pairs that do not fit are dropped, **counted** in
         ``EPHandle.num_dropped`` and reported by :func:`ep_comm.check` (or raised at run time with
         ``overflow="raise"``).
-      backend: transport for the exchanges: ``"auto"``, ``"portable"`` or ``"xla"``
-        (see :func:`ep_comm.ragged_all_to_all`).
+      backend: transport for the exchanges: ``"auto"``, ``"portable"``, ``"xla"``, ``"nccl"`` or
+        ``"mpi"`` (see :func:`ep_comm.ragged_all_to_all` and :mod:`collectives`).
       overflow: ``"count"`` (default: overflow is counted in the handle; call
         :func:`ep_comm.check` on it) or ``"raise"`` (dispatch raises ``EPOverflowError`` at run time
         when any pair is dropped or any expert id is out of range).
@@ -84,7 +80,7 @@ class EPConfig:
         if self.axis_name is None or (isinstance(self.axis_name, tuple) and not self.axis_name):
             raise ValueError(f"{owner}: axis_name must name a mesh axis, got {self.axis_name!r}")
         for name in ("num_ranks", "num_experts", "topk", "tokens_per_rank"):
-            _positive_int(owner, name, getattr(self, name))
+            positive_int(owner, name, getattr(self, name))
         if self.num_experts % self.num_ranks:
             raise ValueError(f"{owner}: num_experts={self.num_experts} must be divisible by "
                              f"num_ranks={self.num_ranks}")
@@ -95,7 +91,7 @@ class EPConfig:
             raise ValueError(f"{owner}: topk={self.topk} must be at most "
                              f"num_experts={self.num_experts}")
         if self.recv_capacity is not None:
-            _positive_int(owner, "recv_capacity", self.recv_capacity)
+            positive_int(owner, "recv_capacity", self.recv_capacity)
         if self.backend not in collectives.BACKENDS:
             raise ValueError(f"{owner}: backend must be one of {collectives.BACKENDS}, "
                              f"got {self.backend!r}")
@@ -176,7 +172,7 @@ class EPConfig:
         send buffer of ``N * T * min(topk, G)`` rows; stage 2 receives into the flat plan's
         token receive buffer."""
         owner = "EPConfig.buffer_bytes"
-        _positive_int(owner, "hidden", hidden)
+        positive_int(owner, "hidden", hidden)
         if plan not in ("flat", "hierarchical"):
             raise ValueError(f"{owner}: plan must be 'flat' or 'hierarchical', got {plan!r}")
         b = np.dtype(dtype).itemsize
@@ -193,7 +189,7 @@ class EPConfig:
                     raise ValueError(f"{owner}: plan='hierarchical' needs num_nodes (or "
                                      f"EPConfig.topology)")
                 num_nodes = self.topology.num_nodes
-            _positive_int(owner, "num_nodes", num_nodes)
+            positive_int(owner, "num_nodes", num_nodes)
             if self.num_ranks % num_nodes:
                 raise ValueError(f"{owner}: num_nodes={num_nodes} must divide num_ranks="
                                  f"{self.num_ranks}")

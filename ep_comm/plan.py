@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 import topology as topo_mod
-from ep_comm._compat import axis_size
+from topology.jax_compat import axis_size
 from ep_comm.config import EPConfig
 
 

@@ -4,10 +4,11 @@ Same signature and semantics as :func:`jax.lax.ragged_all_to_all` plus a ``backe
 transports live in :mod:`collectives`; this module validates the call (JAX's own messages for the
 checks JAX makes, clear ones for the rest) and hands it to the chosen transport.
 
-Transform rules: both transports are built from differentiable, batchable ``lax`` primitives
-(``portable``) or are JAX's own primitive (``xla``), so ``jit``, ``grad`` (w.r.t. ``operand`` and
-``output``), ``jvp`` and ``vmap`` work without extra rules. The offsets and sizes are integer
-arrays and have no gradient.
+Transform rules: of the four transports, ``portable`` is built from differentiable, batchable
+``lax`` primitives and ``xla`` is JAX's own primitive; ``nccl`` and ``mpi`` are the engine's
+primitive, which carries jvp, transpose and batching rules of its own (:mod:`collectives.native`).
+So ``jit``, ``grad`` (w.r.t. ``operand`` and ``output``), ``jvp`` and ``vmap`` work on every one.
+The offsets and sizes are integer arrays and have no gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import collectives
-from ep_comm._compat import axis_size
+from topology.jax_compat import axis_size
 
 _API = "ragged_all_to_all"
 

@@ -33,9 +33,9 @@ def main(argv=None) -> int:
 
     import jax
 
-    from ep_comm import distributed
-    distributed.initialize()
     import topology
+    from topology.processes import initialize
+    initialize()
 
     topo = topology.parse(args.simulate) if args.simulate else topology.current()
     if args.save and jax.process_index() == 0:

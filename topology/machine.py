@@ -27,6 +27,8 @@ from typing import Sequence
 
 import jax
 
+from topology.checks import positive_int
+
 ENV = "EP_COMM_TOPOLOGY"
 LINK_CLASSES = ("self", "nvlink", "pcie", "network")
 
@@ -191,9 +193,8 @@ class Topology:
 
 def simulated(num_nodes: int, gpus_per_node: int) -> Topology:
     """``num_nodes`` nodes of ``gpus_per_node`` NVLink-connected devices (no real devices)."""
-    for name, v in (("num_nodes", num_nodes), ("gpus_per_node", gpus_per_node)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"simulated: {name} must be a positive int, got {v!r}")
+    positive_int("simulated", "num_nodes", num_nodes)
+    positive_int("simulated", "gpus_per_node", gpus_per_node)
     peers = tuple(range(gpus_per_node))
     return Topology(tuple(
         Node(f"node{a}", tuple(Device(g, nvlink_peers=tuple(p for p in peers if p != g))
@@ -306,7 +307,7 @@ def discover() -> Topology:
     NUMA and NIC facts need ``nvidia-ml-py``; without it the devices are listed without them and
     the intra-node link class is taken to be PCIe.
     """
-    from collectives.bootstrap import process_allgather
+    from topology.processes import process_allgather
 
     infos = process_allgather(_local_description(), what="topology")
     hosts: dict[str, list[dict]] = {}

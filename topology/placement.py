@@ -11,6 +11,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from topology.checks import positive_int
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertPlacement:
@@ -20,10 +22,8 @@ class ExpertPlacement:
     num_ranks: int
 
     def __post_init__(self):
-        for name in ("num_experts", "num_ranks"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ExpertPlacement: {name} must be a positive int, got {v!r}")
+        positive_int("ExpertPlacement", "num_experts", self.num_experts)
+        positive_int("ExpertPlacement", "num_ranks", self.num_ranks)
         if self.num_experts % self.num_ranks:
             raise ValueError(f"ExpertPlacement: num_experts={self.num_experts} must be divisible by "
                              f"the number of expert-parallel ranks {self.num_ranks}")

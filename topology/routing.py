@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from topology.checks import int_in_range
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -26,11 +28,6 @@ class Routing:
 
     topk_ids: jax.Array
     topk_weights: jax.Array
-
-
-def _int_arg(api, name, v, lo, hi):
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"{api}: {name} must be an int in [{lo}, {hi}], got {v!r}")
 
 
 def group_limited_topk(scores, topk: int, *, num_groups: int, topk_groups: int,
@@ -58,14 +55,14 @@ def group_limited_topk(scores, topk: int, *, num_groups: int, topk_groups: int,
         raise ValueError(f"{api}: scores must be a floating array of shape (tokens, experts), "
                          f"got {scores.dtype} {tuple(scores.shape)}")
     T, E = scores.shape
-    _int_arg(api, "num_groups", num_groups, 1, E)
+    int_in_range(api, "num_groups", num_groups, 1, E)
     if E % num_groups:
         raise ValueError(f"{api}: the {E} experts must split evenly into num_groups={num_groups} "
                          f"groups")
     per_group = E // num_groups
-    _int_arg(api, "topk_groups", topk_groups, 1, num_groups)
-    _int_arg(api, "group_score_topk", group_score_topk, 1, per_group)
-    _int_arg(api, "topk", topk, 1, topk_groups * per_group)
+    int_in_range(api, "topk_groups", topk_groups, 1, num_groups)
+    int_in_range(api, "group_score_topk", group_score_topk, 1, per_group)
+    int_in_range(api, "topk", topk, 1, topk_groups * per_group)
     choice = scores
     if bias is not None:
         bias = jnp.asarray(bias)

@@ -1,6 +1,7 @@
-"""The one place that touches JAX internals or version-dependent behaviour.
+"""The one module that touches JAX internals or version-dependent behaviour.
 
-Everything else in ep_comm uses public JAX APIs only.
+It sits at the bottom of the package stack (``ep_comm`` -> ``collectives`` -> ``topology``), so
+every layer takes its shims from here; everything else uses public JAX APIs only.
 """
 
 from __future__ import annotations
@@ -31,3 +32,25 @@ def axis_size(axis_name, api_name: str) -> int:
     except TypeError:  # a tracer: the size is not static here
         raise TypeError(f"{api_name}: the size of axis {axis_name!r} is not static here; "
                         f"call it directly inside jax.shard_map") from None
+
+
+def named_axis_effects(axis_names) -> set:
+    """The effects JAX's own collectives declare over ``axis_names`` (``core.NamedAxisEffect``)."""
+    from jax._src import core
+
+    return {*map(core.NamedAxisEffect, axis_names)}
+
+
+def distributed_client():
+    """The ``jax.distributed`` key-value store client of this process, or None before
+    ``jax.distributed.initialize``."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def module_state(module_context) -> dict:
+    """A dict that lives as long as the MLIR module being lowered (for lowering rules that link
+    the calls of one module, such as the mpi transport's chain of exchanges)."""
+    cache = module_context.cached_primitive_lowerings
+    return cache.setdefault("ep_comm module state", {})

@@ -1,0 +1,51 @@
+"""What every benchmark here shares, after nccl-tests' conventions: the median of timed runs after
+a warm-up, the hardware line every report carries, and printing/saving reports."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+
+import jax
+import numpy as np
+
+
+def median_us(fn, args, warmup: int, iters: int) -> float:
+    """Median wall time in microseconds of ``fn(*args)`` (waited for) over ``iters`` runs after
+    ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+def hardware() -> str:
+    """Devices, processes, host CPU and jax version, for the report header."""
+    dev = jax.devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{jax.device_count()} x {dev.device_kind} ({dev.platform}), "
+            f"{jax.process_count()} process(es); host CPU: {cpu}; jax {jax.__version__}")
+
+
+def emit(reports, table_fn, json_path=None) -> list:
+    """Run the (lazy) ``reports``, printing each as a table on process 0 as it completes, then
+    write them all to ``json_path``; returns them."""
+    done = []
+    for rep in reports:
+        done.append(rep)
+        if jax.process_index() == 0:
+            print(table_fn(rep), flush=True)
+    if json_path and jax.process_index() == 0:
+        with open(json_path, "w") as f:
+            json.dump(done, f, indent=1)
+    return done

@@ -1,0 +1,74 @@
+"""Dispatch's last step on the receiver: received token rows into ``expert_x``, one row per
+(token, local expert) pair, grouped contiguously per local expert."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ep_comm.config import EPConfig
+from ep_comm.routes import Route, exclusive_cumsum
+
+
+@dataclasses.dataclass(frozen=True)
+class Expanded:
+    """``expert_x`` ``(C, H)`` and the handle fields that describe it (see ``EPHandle``):
+    ``group_sizes`` ``(L,)``, ``recv_pos`` and ``recv_weights`` ``(R, K)`` per row of the receive
+    buffer, ``expert_token`` ``(C,)``."""
+
+    expert_x: jax.Array
+    group_sizes: jax.Array
+    recv_pos: jax.Array
+    recv_weights: jax.Array
+    expert_token: jax.Array
+
+
+def expand(cfg: EPConfig, route: Route, num_recv, me) -> Expanded:
+    """Rows of ``route``'s receive buffer (the first ``num_recv`` in the flat order are used) into
+    ``expert_x``: rows ordered by local expert, then (source rank, source token, k); the rows past
+    ``sum(group_sizes)`` are zero. Pairs past ``cfg.expert_rows`` are dropped (counted by
+    dispatch)."""
+    R, C, K, L = cfg.recv_token_rows, cfg.expert_rows, cfg.topk, cfg.experts_per_rank
+    i32 = jnp.int32
+    buf_x, buf_route, flat_to_buf = route.x, route.route, route.flat_to_buf
+    # received rows in the flat order (source rank, source token), routing masked to this rank
+    received = jnp.arange(R, dtype=i32) < num_recv
+    # flat_to_buf: row of the receive buffer holding each flat-order row (None: the same row)
+    row_route = buf_route if flat_to_buf is None else jnp.take(
+        buf_route, jnp.minimum(flat_to_buf, R - 1), axis=0)
+    gid = jnp.where(received[:, None], row_route[:, K:], -1.0).astype(i32)
+    here = (gid >= 0) & (gid // L == me)
+    recv_w = jnp.where(here, row_route[:, :K], 0.0)
+    recv_ids = jnp.where(here, gid % L, -1)
+
+    # groups contiguous per local expert (stable: source rank, token, k). A token that lists one
+    # expert twice gets one row; both slots point at it (weights add up in combine).
+    has_expert = recv_ids >= 0
+    # first slot of each (row, k)'s expert in its row; a slot that is not its own first repeats it
+    first_slot = jnp.argmax(recv_ids[:, :, None] == recv_ids[:, None, :], axis=2)  # (R, K)
+    repeat = first_slot != jnp.arange(K)[None, :]
+    key = jnp.where(has_expert & ~repeat, recv_ids, L).reshape(-1)  # (R*K,)
+    order = jnp.argsort(key, stable=True).astype(i32)
+    per_expert = jnp.bincount(key, length=L + 1)[:L].astype(i32)
+    num_pairs = jnp.sum(per_expert)
+    group_sizes = jnp.clip(C - exclusive_cumsum(per_expert), 0, per_expert)
+    inverse = jnp.zeros((R * K,), i32).at[order].set(jnp.arange(R * K, dtype=i32),
+                                                       unique_indices=True)
+    pos_first = jnp.where((key < L) & (inverse < C), inverse, C).reshape(R, K)
+    recv_pos = jnp.where(has_expert, jnp.take_along_axis(pos_first, first_slot, axis=1), C)
+    q = jnp.arange(C, dtype=i32)
+    used = q < jnp.minimum(num_pairs, C)
+    expert_token = jnp.where(used, order[jnp.minimum(q, R * K - 1)] // K, R)
+    src_row = jnp.minimum(expert_token, R - 1)
+    if flat_to_buf is not None:
+        src_row = jnp.take(flat_to_buf, src_row)
+    expert_x = jnp.take(buf_x, src_row, axis=0)
+    expert_x = jnp.where(used[:, None], expert_x, jnp.zeros((), buf_x.dtype))
+    if flat_to_buf is not None:  # combine reads the receive buffer in its own (stage-2) order
+        buf_rows = jnp.where(received, flat_to_buf, R)
+        recv_pos = jnp.full((R, K), C, i32).at[buf_rows].set(recv_pos, mode="drop")
+        recv_w = jnp.zeros((R, K), jnp.float32).at[buf_rows].set(recv_w, mode="drop")
+
+    return Expanded(expert_x, group_sizes, recv_pos, recv_w, expert_token)

@@ -1,0 +1,215 @@
+"""The routes of dispatch: how token rows and their routing reach the ranks holding their experts.
+
+A plan is a sequence of legs (:class:`Leg`: one rank's view of one ragged exchange and its
+reverse). The flat plan has one leg (each token once to every rank holding one of its experts); the
+hierarchical plan two (each token once per destination node, then forwarded inside the node).
+Both pack their send buffers with :func:`pack` and :func:`send_buffer` and move rows with
+:func:`exchange`; each returns a :class:`Route`. Combine runs the legs backwards
+(``exchange(..., reverse=True)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ep_comm.layout import repeats_earlier
+from ep_comm.ragged import _ragged_all_to_all
+from topology.machine import LINK_CLASSES
+from topology.traffic import link_matrix
+
+
+def exclusive_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Leg:
+    """One rank's view of one ragged exchange of a plan and of its reverse (combine's). Every
+    field is ``(P,)`` int32 over the ``P`` members of the rank's exchange group.
+
+    Attributes:
+      input_offsets, send_sizes: where the rows for each member start in this rank's send buffer,
+        and how many go.
+      output_offsets: where they land in that member's receive buffer.
+      recv_sizes, recv_offsets: rows this rank receives from each member, and where they land in
+        its own receive buffer.
+      peer_input_offsets: where those rows started in the member's send buffer (where combine
+        sends them back to).
+      peers: global expert-parallel rank of each member.
+    """
+
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
+    recv_offsets: jax.Array
+    peer_input_offsets: jax.Array
+    peers: jax.Array
+
+
+def make_leg(counts, send_starts, me, peers) -> Leg:
+    """Rank ``me``'s :class:`Leg` from the group's ``(P, P)`` matrices: ``counts[s, d]`` rows
+    member ``s`` sends member ``d``; ``send_starts[s, d]`` the first row of that block in ``s``'s
+    send buffer. Receive buffers take blocks in member order."""
+    recv_starts = exclusive_cumsum(counts, axis=0)
+    return Leg(send_starts[me], counts[me], recv_starts[me], counts[:, me], recv_starts[:, me],
+               send_starts[:, me], peers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What a plan's dispatch delivered to this rank, and how it got there.
+
+    Attributes:
+      x: ``(R, H)``; token rows of the (last-stage) receive buffer.
+      route: ``(R, 2K)`` float32; their routing: weights, then global expert ids (-1: not for this
+        rank's node or rank).
+      flat_to_buf: ``(R,)`` int32 row of the receive buffer holding each row of the flat order
+        (source rank, source token), or ``None`` when that is the buffer's own order (flat plan).
+      legs: the plan's exchanges, one :class:`Leg` each.
+      token_send_row: ``(T, K)`` int32; ``EPHandle.token_send_row``.
+      forward_row: hierarchical only: ``EPHandle.forward_row``.
+    """
+
+    x: jax.Array
+    route: jax.Array
+    flat_to_buf: jax.Array | None
+    legs: tuple
+    token_send_row: jax.Array
+    forward_row: jax.Array | None
+
+
+def link_rows(plan, legs, me) -> jax.Array:
+    """``(2, len(LINK_CLASSES))`` int32 rows this rank sends per link class in dispatch (row 0)
+    and combine (row 1: combine sends back what dispatch delivered)."""
+    links = jnp.asarray(link_matrix(plan.topology))[me]  # (n,) class of the link to each rank
+    nc = len(LINK_CLASSES)
+    sent = [jnp.zeros((nc,), jnp.int32), jnp.zeros((nc,), jnp.int32)]
+    for leg in legs:
+        cls = links[leg.peers]
+        sent[0] = sent[0].at[cls].add(leg.send_sizes)
+        sent[1] = sent[1].at[cls].add(leg.recv_sizes)
+    return jnp.stack(sent)
+
+
+def pack(in_dest, starts, rows: int):
+    """Order items by destination: ``in_dest`` ``(I, P)`` bool (item ``i`` goes to member ``p``),
+    ``starts`` ``(P,)`` first row of each member's block. Returns ``(item, dest, row)``:
+    ``item``/``dest`` ``(rows,)`` (``I``/``P`` past the used rows), ``row`` ``(I, P)`` the send row
+    of each (item, member) or -1. Blocks keep item order."""
+    I, P = in_dest.shape
+    i32 = jnp.int32
+    row_in_block = jnp.cumsum(in_dest, axis=0, dtype=i32) - 1
+    row = jnp.where(in_dest, starts[None, :] + row_in_block, -1)
+    i_idx = jnp.broadcast_to(jnp.arange(I, dtype=i32)[:, None], (I, P))
+    p_idx = jnp.broadcast_to(jnp.arange(P, dtype=i32)[None, :], (I, P))
+    to = jnp.where(in_dest, row, rows + i_idx * P + p_idx).reshape(-1)  # unique; OOB drops
+    item = jnp.full((rows,), I, i32).at[to].set(i_idx.reshape(-1), mode="drop",
+                                               unique_indices=True)
+    dest = jnp.full((rows,), P, i32).at[to].set(p_idx.reshape(-1), mode="drop",
+                                               unique_indices=True)
+    return item, dest, row
+
+
+def send_buffer(x, route, item, dest, slot_dest, K):
+    """Rows ``x[item]`` with their routing masked to the slots whose destination
+    (``slot_dest[item]``, ``(rows, K)``) is the row's ``dest`` (weight 0 and id -1 elsewhere)."""
+    src = jnp.minimum(item, x.shape[0] - 1)
+    ok = (slot_dest[src] == dest[:, None]) & (item < x.shape[0])[:, None]
+    r = route[src]
+    return jnp.take(x, src, axis=0), jnp.concatenate(
+        [jnp.where(ok, r[:, :K], 0.0), jnp.where(ok, r[:, K:], -1.0)], axis=1)
+
+
+def exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse=False):
+    """One leg (or its reverse) of ``stage`` into a fresh zero buffer of ``rows`` rows."""
+    out = jnp.zeros((rows, *operand.shape[1:]), operand.dtype)
+    args = ((leg.recv_offsets, leg.recv_sizes, leg.peer_input_offsets, leg.send_sizes) if reverse
+            else (leg.input_offsets, leg.send_sizes, leg.output_offsets, leg.recv_sizes))
+    return _ragged_all_to_all(operand, out, *args, axis_name=stage.axis_name,
+                              axis_index_groups=stage.groups, backend=cfg.backend,
+                              max_segment_rows=segment_rows, label=what, tag=cfg.fingerprint)
+
+
+def _move(cfg, stage, leg, x, route, rows, segment_rows, what):
+    """Dispatch's two exchanges of one leg: token rows, then their routing (float32)."""
+    return (exchange(cfg, stage, leg, x, rows, segment_rows, f"dispatch ({what}tokens)"),
+            exchange(cfg, stage, leg, route, rows, segment_rows, f"dispatch ({what}routing)"))
+
+
+def flat_route(cfg, plan, x, route, dest, tok, kept, me) -> Route:
+    """Each token once to every rank holding one of its experts (one leg)."""
+    T, K, n = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks
+    R = cfg.recv_token_rows
+    send_starts = exclusive_cumsum(tok, axis=1)  # row of s's send buffer where d's block starts
+    in_rank = jnp.any(dest[:, :, None] == jnp.arange(n, dtype=jnp.int32), axis=1)  # (T, n)
+    item, to, send_row = pack(in_rank, send_starts[me], cfg.send_rows)
+    send_x, send_route = send_buffer(x, route, item, to, dest, K)
+    leg = make_leg(kept, send_starts, me, jnp.arange(n, dtype=jnp.int32))
+    recv_x, recv_route = _move(cfg, plan.stages[0], leg, send_x, send_route, R, T, "")
+    return Route(recv_x, recv_route, None, (leg,), first_rows(dest, send_row, n), None)
+
+
+def first_rows(dest, send_row, P):
+    """``(T, K)`` send row of slot ``k`` when it is the first of its token's slots to its
+    destination (``dest`` in ``[0, P)``; ``P`` = not routed), else -1."""
+    first = (dest < P) & ~repeats_earlier(dest)
+    return jnp.where(first, jnp.take_along_axis(send_row, jnp.minimum(dest, P - 1), 1), -1)
+
+
+def hierarchical_route(cfg, plan, x, route, node, in_node, kept, node_tok, me) -> Route:
+    """Each token once per destination node (stage 1), then forwarded inside the node to the
+    ranks holding its experts (stage 2)."""
+    T, K, n, L = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks, cfg.experts_per_rank
+    R = cfg.recv_token_rows
+    N, G = plan.shape
+    i32 = jnp.int32
+    a0, l0 = me // G, me % G
+    stage1, stage2 = plan.stages
+
+    # Stage 1: each token once per destination node, to the rank with this local index there.
+    M1 = node_tok.reshape(N, G, N)[:, l0, :]  # [a, b]: tokens (a, l0) -> node b
+    starts1 = exclusive_cumsum(M1, axis=1)
+    item, to, send_row = pack(in_node, starts1[a0], T * min(K, N))
+    send_x, send_route = send_buffer(x, route, item, to, node, K)
+    leg1 = make_leg(M1, starts1, a0, jnp.arange(N, dtype=i32) * G + l0)
+    R1 = N * T
+    fx, froute = _move(cfg, stage1, leg1, send_x, send_route, R1, T, "stage 1 ")
+
+    # Stage 2: forward each received token to the ranks of this node holding its experts, in
+    # stage-1 order (source node, token), only the ones that fit there (the flat plan's rule).
+    kept4 = kept.reshape(N, G, N, G)  # [a, l, b, l']
+    F = jnp.sum(kept4[:, :, a0, :], axis=0)  # [l, l']: rows (a0, l) -> (a0, l')
+    rows1 = jnp.arange(R1, dtype=i32)
+    arrived = jnp.sum(M1[:, a0])
+    src_node = jnp.searchsorted(jnp.cumsum(M1[:, a0]), rows1, side="right").astype(i32)
+    gid = froute[:, K:].astype(i32)  # global ids routed to this node, -1 elsewhere
+    target = jnp.where(gid >= 0, gid // L - a0 * G, G)  # local rank of each slot, G: none
+    hits = jnp.any(target[:, :, None] == jnp.arange(G, dtype=i32), axis=1)  # (R1, G)
+    hits = hits & (rows1 < arrived)[:, None]
+    excl = jnp.cumsum(hits, axis=0, dtype=i32) - hits
+    block_start = leg1.recv_offsets[jnp.minimum(src_node, N - 1)]
+    j = excl - jnp.take(excl, jnp.minimum(block_start, R1 - 1), axis=0)  # index in its block
+    src_rank = jnp.minimum(src_node, N - 1) * G + l0
+    limit = kept[src_rank][:, a0 * G + jnp.arange(G)]  # (R1, G) what each destination keeps
+    fwd = hits & (j < limit)
+    starts2 = exclusive_cumsum(F, axis=1)
+    item2, to2, forward_row = pack(fwd, starts2[l0], R1 * min(K, G))
+    send2_x, send2_route = send_buffer(fx, froute, item2, to2, target, K)
+    leg2 = make_leg(F, starts2, l0, a0 * G + jnp.arange(G, dtype=i32))
+    rx, rroute = _move(cfg, stage2, leg2, send2_x, send2_route, R, R1, "stage 2 ")
+
+    # Where each flat-order row (source rank s, token) sits in the stage-2 receive buffer:
+    # forwarder l's block, then source nodes in order.
+    kin = kept[:, me].reshape(N, G)  # [a, l]: rows from (a, l) kept here
+    st2 = (leg2.recv_offsets[None, :] + exclusive_cumsum(kin, axis=0)).reshape(n)
+    flat_start = exclusive_cumsum(kept[:, me])
+    q = jnp.arange(R, dtype=i32)
+    s_of_q = jnp.minimum(jnp.searchsorted(jnp.cumsum(kept[:, me]), q, side="right"), n - 1)
+    flat_to_buf = st2[s_of_q] + q - flat_start[s_of_q]
+    return Route(rx, rroute, flat_to_buf.astype(i32), (leg1, leg2), first_rows(node, send_row, N),
+                 forward_row)
