@@ -10,11 +10,12 @@ import zlib
 import numpy as np
 
 import collectives
-from topology import CostModel, ExpertPlacement, Topology
+from ep_comm.placement import ExpertPlacement
+from topology import PLANS, CostModel, Topology, row_bytes
 from topology.checks import positive_int
 
 OVERFLOW_MODES = ("count", "raise")
-PLAN_CHOICES = ("auto", "flat", "hierarchical")
+PLAN_CHOICES = ("auto", *PLANS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,10 +174,10 @@ class EPConfig:
         token receive buffer."""
         owner = "EPConfig.buffer_bytes"
         positive_int(owner, "hidden", hidden)
-        if plan not in ("flat", "hierarchical"):
+        if plan not in PLANS:
             raise ValueError(f"{owner}: plan must be 'flat' or 'hierarchical', got {plan!r}")
         b = np.dtype(dtype).itemsize
-        row = hidden * b + self.topk * 8  # a token and its routing (weights, ids in float32)
+        row, _ = row_bytes(hidden, dtype, self.topk)  # a token and its routing
         out = {
             "recv_tokens": self.recv_token_rows * row,
             "expert_x": self.expert_rows * hidden * b,

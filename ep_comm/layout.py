@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from topology import ExpertPlacement
+from ep_comm.placement import ExpertPlacement
 
 
 @jax.tree_util.register_dataclass

@@ -340,7 +340,7 @@ def test_combine_argument_errors(sharded, n, rng):
 
 
 def test_placement_and_buffer_errors():
-    from topology import ExpertPlacement
+    from ep_comm.placement import ExpertPlacement
 
     with pytest.raises(ValueError, match=re.escape(
             "ExpertPlacement: num_experts=10 must be divisible by the number of expert-parallel "

@@ -1,17 +1,16 @@
-"""What ep_comm knows about the machine: expert placement, discovery and node grouping
+"""What ep_comm knows about the machine: discovery and node grouping
 (:class:`Topology`), traffic accounting per link class, the alpha-beta cost model that picks the
 exchange plan, and node-limited routing."""
 
 from topology.cost import H200_DEFAULTS, CostModel, Link
 from topology.machine import (ENV, LINK_CLASSES, Device, Node, Topology, current, discover, known,
                               parse, simulated)
-from topology.placement import ExpertPlacement
 from topology.routing import Routing, group_limited_topk, node_limited_topk
 from topology.traffic import (PLANS, Exchange, Traffic, count_matrices, count_traffic,
                               expected_traffic, link_matrix, row_bytes)
 
 __all__ = [
-    "CostModel", "Device", "ENV", "Exchange", "ExpertPlacement", "H200_DEFAULTS", "LINK_CLASSES",
+    "CostModel", "Device", "ENV", "Exchange", "H200_DEFAULTS", "LINK_CLASSES",
     "Link", "Node", "PLANS", "Routing", "Topology", "Traffic", "count_matrices", "count_traffic",
     "current", "discover", "expected_traffic", "group_limited_topk", "known", "link_matrix",
     "node_limited_topk", "parse", "row_bytes", "simulated",
