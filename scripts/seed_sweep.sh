@@ -10,10 +10,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SINGLE="${1:-30}" MPI="${2:-10}" FIRST="${3:-1}"; shift $(( $# < 3 ? $# : 3 ))
-OUT="${OUT:-sweep}"; mkdir -p "$OUT"
+OUT="${OUT:-sweep}"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 scripts/run.sh setup >/dev/null || { echo "set-up failed (scripts/run.sh setup)"; exit 1; }
 PY="${EP_COMM_VENV:-.venv}/bin/python"
-export JAX_PLATFORMS=cpu EP_COMM_TEST_COMPILE_CACHE="$PWD/$OUT/jax_cache"
+export JAX_PLATFORMS=cpu EP_COMM_TEST_COMPILE_CACHE="$OUT/jax_cache"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 failed=0
 one() {  # one PHASE SEED COMMAND...
