@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -47,6 +48,25 @@ inline std::string read_call_shape(const xla::ffi::AnyBuffer& operand,
 inline std::string broken_message(const std::string& why) {
   return "the communicator is unusable after an earlier failure (" + why +
          "); restart the processes";
+}
+
+// How every message of a call names it: "ep_comm <label> (<transport>) on rank r of n".
+inline std::string call_site(std::string_view label, const std::string& transport, int rank,
+                             int size) {
+  return "ep_comm " + std::string(label) + " (" + transport + ") on rank " +
+         std::to_string(rank) + " of " + std::to_string(size);
+}
+
+// Every handler's first step once it holds its communicator: refuse a broken one, then read the
+// call's shape (`segments` index entries over a group of n ranks).
+inline xla::ffi::Error begin_call(const std::string& where, const std::string& broken,
+                                  const xla::ffi::AnyBuffer& operand,
+                                  const xla::ffi::AnyBuffer& output, int64_t segments, int n,
+                                  CallShape* shape) {
+  if (!broken.empty()) return xla::ffi::Error::Internal(where + ": " + broken_message(broken));
+  std::string bad = read_call_shape(operand, output, segments, n, shape);
+  if (!bad.empty()) return xla::ffi::Error::InvalidArgument(where + ": " + bad);
+  return xla::ffi::Error::Success();
 }
 
 }  // namespace ep_comm

@@ -130,13 +130,12 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
     }
     c = it->second;
   }
-  const std::string where = "ep_comm " + std::string(label) + " (mpi transport) on rank " +
-                            std::to_string(c.rank) + " of " + std::to_string(c.size);
-  if (!c.broken.empty()) return ffi::Error::Internal(where + ": " + broken_message(c.broken));
+  const std::string where = call_site(label, "mpi transport", c.rank, c.size);
   const int n = c.size, me = c.rank;
   CallShape cs;
-  std::string bad = read_call_shape(operand, output, input_offsets.element_count(), n, &cs);
-  if (!bad.empty()) return ffi::Error::InvalidArgument(where + ": " + bad);
+  ffi::Error begun = begin_call(where, c.broken, operand, output, input_offsets.element_count(), n,
+                                &cs);
+  if (begun.failure()) return begun;
   const int m = cs.m;
   const int64_t K = cs.segments, row_bytes = cs.row_bytes, n_in = cs.operand_rows,
                 n_out = cs.output_rows;

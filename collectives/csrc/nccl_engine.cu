@@ -245,31 +245,93 @@ std::string wait_for_metadata(CommState& st, int64_t seq) {
     }                                                                                     \
   } while (0)
 
+// Metadata: pack one message per peer on the device, exchange them with the peers, publish them to
+// the host and wait for them there; then decide every transfer (both ends of a pair decide alike).
+// The self segment's transfers stay out of `plan` unless `self_via_nccl` (the self-copy kernel moves
+// them); every ill-formed transfer is in plan->errors.
+ffi::Error plan_exchange(CommState& st, const std::string& where, const SelfArgs& a,
+                         bool self_via_nccl, int64_t* mine, int64_t* theirs, Plan* plan) {
+  const int n = st.size, me = st.rank, L = message_len(a.m);
+  pack_kernel<<<(n + 127) / 128, 128, 0, st.stream>>>(a.io, a.ss, a.oo, a.rs, n, a.m, a.K,
+                                                      a.row_bytes, a.tag, a.n_in, a.n_out, mine);
+  EP_CUDA(cudaGetLastError(), "launching the metadata kernel");
+  if (n > 1) EP_NCCL(ncclGroupStart(), "ncclGroupStart");
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    EP_NCCL(ncclSend(mine + static_cast<int64_t>(p) * L, L, ncclInt64, p, st.comm, st.stream),
+            "ncclSend of metadata to peer " + std::to_string(p));
+    EP_NCCL(ncclRecv(theirs + static_cast<int64_t>(p) * L, L, ncclInt64, p, st.comm, st.stream),
+            "ncclRecv of metadata from peer " + std::to_string(p));
+  }
+  if (n > 1) EP_NCCL(ncclGroupEnd(), "ncclGroupEnd (metadata)");
+  ffi::Error e = ensure_host(st, static_cast<size_t>(2) * n * L);
+  if (e.failure()) return ffi::Error::Internal(where + ": " + e.message());
+  const int64_t seq = ++st.seq;
+  publish_kernel<<<1, 256, 0, st.stream>>>(mine, theirs, static_cast<int64_t>(n) * L, st.host,
+                                           st.flag, seq);
+  EP_CUDA(cudaGetLastError(), "launching the publish kernel");
+  std::string why = wait_for_metadata(st, seq);
+  if (!why.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, where + ": " + why);
+  const int64_t* h_mine = st.host;
+  const int64_t* h_theirs = st.host + static_cast<int64_t>(n) * L;
+  std::memcpy(const_cast<int64_t*>(h_theirs) + static_cast<int64_t>(me) * L,
+              h_mine + static_cast<int64_t>(me) * L, L * sizeof(int64_t));
+  for (int p = 0; p < n; ++p) {
+    Plan pair;
+    plan_pair(pair, h_mine + static_cast<int64_t>(p) * L, h_theirs + static_cast<int64_t>(p) * L, me,
+              p, a.m);
+    plan->errors.insert(plan->errors.end(), pair.errors.begin(), pair.errors.end());
+    if (p == me && !self_via_nccl) continue;  // the self-copy kernel moved these
+    plan->sends.insert(plan->sends.end(), pair.sends.begin(), pair.sends.end());
+    plan->recvs.insert(plan->recvs.end(), pair.recvs.begin(), pair.recvs.end());
+  }
+  if (st.flag[1] != 0) st.flag[1] = 0;  // the host plan above reports the self segment in words
+  return ffi::Error::Success();
+}
+
+// Payload: one grouped ncclSend/ncclRecv of exactly the planned rows.
+ffi::Error issue_payload(CommState& st, const std::string& where, const Plan& plan, const char* in,
+                         char* out, int64_t row_bytes) {
+  if (row_bytes == 0 || (plan.sends.empty() && plan.recvs.empty())) return ffi::Error::Success();
+  EP_NCCL(ncclGroupStart(), "ncclGroupStart");
+  for (const Transfer& t : plan.sends) {
+    EP_NCCL(ncclSend(in + t.row * row_bytes, static_cast<size_t>(t.rows * row_bytes), ncclUint8,
+                     t.peer, st.comm, st.stream),
+            "ncclSend of " + std::to_string(t.rows) + " rows to peer " + std::to_string(t.peer));
+  }
+  for (const Transfer& t : plan.recvs) {
+    EP_NCCL(ncclRecv(out + t.row * row_bytes, static_cast<size_t>(t.rows * row_bytes), ncclUint8,
+                     t.peer, st.comm, st.stream),
+            "ncclRecv of " + std::to_string(t.rows) + " rows from peer " + std::to_string(t.peer));
+  }
+  EP_NCCL(ncclGroupEnd(), "ncclGroupEnd (payload)");
+  return ffi::Error::Success();
+}
+
 ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operand, ffi::AnyBuffer output,
                  ffi::Buffer<ffi::S32> input_offsets, ffi::Buffer<ffi::S32> send_sizes,
                  ffi::Buffer<ffi::S32> output_offsets, ffi::Buffer<ffi::S32> recv_sizes,
                  ffi::Result<ffi::AnyBuffer> result, ffi::Result<ffi::Buffer<ffi::S64>> workspace,
                  int64_t comm_key, int64_t tag, int64_t op_id, std::string_view label) {
-  std::string where = "ep_comm " + std::string(label) + " (nccl transport, device " +
-                      std::to_string(ordinal) + ")";
+  const std::string transport = "nccl transport, device " + std::to_string(ordinal);
   CommState* stp = lookup(comm_key, ordinal);
   if (stp == nullptr) {
-    return ffi::Error::Internal(where + ": communicator " + std::to_string(comm_key) +
+    return ffi::Error::Internal("ep_comm " + std::string(label) + " (" + transport +
+                                "): communicator " + std::to_string(comm_key) +
                                 " is not bootstrapped on this device (communicators are created "
                                 "when the program is lowered; was collectives.finalize() called "
                                 "in between?)");
   }
   CommState& st = *stp;
   std::lock_guard<std::mutex> lock(st.mu);
-  where += " on rank " + std::to_string(st.rank) + " of " + std::to_string(st.size);
-  if (!st.broken.empty()) return ffi::Error::Internal(where + ": " + broken_message(st.broken));
+  const std::string where = call_site(label, transport, st.rank, st.size);
   const int n = st.size, me = st.rank;
   CallShape cs;
-  std::string bad = read_call_shape(operand, output, input_offsets.element_count(), n, &cs);
-  if (!bad.empty()) return ffi::Error::InvalidArgument(where + ": " + bad);
+  ffi::Error begun = begin_call(where, st.broken, operand, output, input_offsets.element_count(), n,
+                                &cs);
+  if (begun.failure()) return begun;
   const int m = cs.m, L = message_len(m);
-  const int64_t K = cs.segments, row_bytes = cs.row_bytes, n_in = cs.operand_rows,
-                n_out = cs.output_rows;
+  const int64_t row_bytes = cs.row_bytes, n_in = cs.operand_rows;
   if (workspace->element_count() < static_cast<size_t>(2) * n * L) {
     return ffi::Error::InvalidArgument(where + ": workspace of " +
                                        std::to_string(workspace->element_count()) +
@@ -302,68 +364,23 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
     EP_CUDA(cudaMemcpyAsync(out, output.untyped_data(), output.size_bytes(), cudaMemcpyDeviceToDevice,
                             st.stream), "copy of output into the result");
   }
+  const SelfArgs a{input_offsets.typed_data(), send_sizes.typed_data(), output_offsets.typed_data(),
+                   recv_sizes.typed_data(), me, m, cs.segments, row_bytes, tag, n_in,
+                   cs.output_rows};
   // EP_COMM_NCCL_SELF=1 sends the self segment through the host path and NCCL like any peer's
   // (a diagnostic: on one GPU it shows what the multi-rank path costs per call).
   const char* via = std::getenv("EP_COMM_NCCL_SELF");
   const bool self_via_nccl = via != nullptr && via[0] == '1';
   if (row_bytes > 0 && !self_via_nccl) {
-    const SelfArgs a{input_offsets.typed_data(), send_sizes.typed_data(), output_offsets.typed_data(),
-                     recv_sizes.typed_data(), me, m, K, row_bytes, tag, n_in, n_out};
     launch_self_copy(st, in, out, a);
     EP_CUDA(cudaGetLastError(), "launching the self-copy kernel");
   }
-
   Plan plan;
   if (n > 1 || self_via_nccl) {  // the metadata goes to the peers, then to the host
-    pack_kernel<<<(n + 127) / 128, 128, 0, st.stream>>>(
-        input_offsets.typed_data(), send_sizes.typed_data(), output_offsets.typed_data(),
-        recv_sizes.typed_data(), n, m, K, row_bytes, tag, n_in, n_out, mine);
-    EP_CUDA(cudaGetLastError(), "launching the metadata kernel");
-    if (n > 1) EP_NCCL(ncclGroupStart(), "ncclGroupStart");
-    for (int p = 0; p < n; ++p) {
-      if (p == me) continue;
-      EP_NCCL(ncclSend(mine + static_cast<int64_t>(p) * L, L, ncclInt64, p, st.comm, st.stream),
-              "ncclSend of metadata to peer " + std::to_string(p));
-      EP_NCCL(ncclRecv(theirs + static_cast<int64_t>(p) * L, L, ncclInt64, p, st.comm, st.stream),
-              "ncclRecv of metadata from peer " + std::to_string(p));
-    }
-    if (n > 1) EP_NCCL(ncclGroupEnd(), "ncclGroupEnd (metadata)");
-    ffi::Error e = ensure_host(st, static_cast<size_t>(2) * n * L);
-    if (e.failure()) return ffi::Error::Internal(where + ": " + e.message());
-    const int64_t seq = ++st.seq;
-    publish_kernel<<<1, 256, 0, st.stream>>>(mine, theirs, static_cast<int64_t>(n) * L, st.host,
-                                             st.flag, seq);
-    EP_CUDA(cudaGetLastError(), "launching the publish kernel");
-    std::string why = wait_for_metadata(st, seq);
-    if (!why.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, where + ": " + why);
-    const int64_t* h_mine = st.host;
-    const int64_t* h_theirs = st.host + static_cast<int64_t>(n) * L;
-    std::memcpy(const_cast<int64_t*>(h_theirs) + static_cast<int64_t>(me) * L,
-                h_mine + static_cast<int64_t>(me) * L, L * sizeof(int64_t));
-    for (int p = 0; p < n; ++p) {
-      Plan pair;
-      plan_pair(pair, h_mine + static_cast<int64_t>(p) * L, h_theirs + static_cast<int64_t>(p) * L, me,
-                p, m);
-      plan.errors.insert(plan.errors.end(), pair.errors.begin(), pair.errors.end());
-      if (p == me && !self_via_nccl) continue;  // the self-copy kernel moved these
-      plan.sends.insert(plan.sends.end(), pair.sends.begin(), pair.sends.end());
-      plan.recvs.insert(plan.recvs.end(), pair.recvs.begin(), pair.recvs.end());
-    }
-    if (st.flag[1] != 0) st.flag[1] = 0;  // the host plan above reports the self segment in words
-    if (row_bytes > 0 && (!plan.sends.empty() || !plan.recvs.empty())) {
-      EP_NCCL(ncclGroupStart(), "ncclGroupStart");
-      for (const Transfer& t : plan.sends) {
-        EP_NCCL(ncclSend(in + t.row * row_bytes, static_cast<size_t>(t.rows * row_bytes), ncclUint8,
-                         t.peer, st.comm, st.stream),
-                "ncclSend of " + std::to_string(t.rows) + " rows to peer " + std::to_string(t.peer));
-      }
-      for (const Transfer& t : plan.recvs) {
-        EP_NCCL(ncclRecv(out + t.row * row_bytes, static_cast<size_t>(t.rows * row_bytes), ncclUint8,
-                         t.peer, st.comm, st.stream),
-                "ncclRecv of " + std::to_string(t.rows) + " rows from peer " + std::to_string(t.peer));
-      }
-      EP_NCCL(ncclGroupEnd(), "ncclGroupEnd (payload)");
-    }
+    ffi::Error e = plan_exchange(st, where, a, self_via_nccl, mine, theirs, &plan);
+    if (e.failure()) return e;
+    e = issue_payload(st, where, plan, in, out, row_bytes);
+    if (e.failure()) return e;
   }
   auto [it, fresh] = st.done.try_emplace(op_id, nullptr);
   if (fresh) EP_CUDA(cudaEventCreateWithFlags(&it->second, cudaEventDisableTiming), "cudaEventCreate");
