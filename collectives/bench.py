@@ -117,8 +117,12 @@ def run(rows: int, hidden: int, dtype: str, warmup: int, iters: int, overlap: bo
         measure(f"ep_comm/{backend}", _exchange(backend), args)
         rows_.append(backend)
         if backend == "nccl" and n == 1:
+            # the engine reads EP_COMM_NCCL_SELF when it creates a communicator: new ones here,
+            # and new ones again after
             with _env("EP_COMM_NCCL_SELF", "1"):
+                collectives.finalize()
                 measure("ep_comm/nccl host path", _exchange("nccl"), args)
+            collectives.finalize()
     copy_t = next((r["time_us"] for r in results if r["impl"] == "device copy"), None)
     for r in results:
         r["algbw_GBps"] = r["bytes"] / (r["time_us"] * 1e3)

@@ -19,8 +19,9 @@ copy. Its cost is in the benchmark (``python -m ep_comm.bench``, README).
 Errors: every rank checks every transfer it takes part in against both ends' metadata (sizes that
 agree, rows inside both buffers, same shapes and config tag); ill-formed transfers are skipped by
 both ends alike (no hang) and the call fails with a message naming ranks, segments and values.
-A peer that never arrives fails the call after ``EP_COMM_TIMEOUT_S`` seconds (default 300) and
-leaves the communicator aborted.
+A peer that never arrives fails the call after ``EP_COMM_TIMEOUT_S`` seconds (default 300; the
+engine reads it, like ``EP_COMM_NCCL_SELF``, once per communicator when it is created, never per
+call) and leaves the communicator aborted.
 
 The primitive ``ep_comm_ragged_exchange`` carries ``lax.ragged_all_to_all``'s rules: it is linear in
 ``operand`` and ``output`` (jvp applies the same exchange to tangents; the transpose is the reverse

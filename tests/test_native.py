@@ -133,15 +133,16 @@ def test_missing_peer_times_out_with_a_diagnostic(n, native, monkeypatch):
     a = np.zeros((n * ROWS, D), np.float32)
     ints = [x.astype(np.int32).reshape(-1) for x in (io, ss, oo, rs)]
     args = sharded.put(a, a, *ints)
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()  # the bootstrap below waits at most the same 1 s for its peers
+    monkeypatch.setenv("EP_COMM_TIMEOUT_S", "1")  # read when the communicator is created
     f = exchange_fn(sharded, native).lower(*args).compile()  # every process bootstraps
-    monkeypatch.setenv("EP_COMM_TIMEOUT_S", "1")
     if jax.process_index() == n - 1:  # the first rank of the reversed mesh waits alone
         peers = ", ".join(str(p) for p in range(1, n))
         with engine_error(f"timed out after 1.000000 s waiting for peer(s) {peers}"):
             jax.block_until_ready(f(*args))
         with engine_error("the communicator is unusable after an earlier failure"):
             jax.block_until_ready(f(*args))
-    from mpi4py import MPI
     MPI.COMM_WORLD.Barrier()
 
 

@@ -173,7 +173,8 @@ inline std::string join_errors(const std::string& what, const std::vector<std::s
   return out;
 }
 
-// Seconds a rank waits for its peers before it gives up (EP_COMM_TIMEOUT_S, default 300).
+// Seconds a rank waits for its peers before it gives up (EP_COMM_TIMEOUT_S, default 300). Read
+// once per communicator, when it is created: never on the hot path.
 inline double timeout_seconds() {
   const char* v = std::getenv("EP_COMM_TIMEOUT_S");
   if (v == nullptr || *v == '\0') return 300.0;

@@ -59,6 +59,7 @@ struct MpiComm {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 1;
   std::string broken;  // non-empty once a timeout left the communicator unusable
+  double timeout_s = 300.0;  // EP_COMM_TIMEOUT_S when the communicator was registered
 };
 
 std::mutex g_mu;
@@ -143,7 +144,7 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
   if (out != output.untyped_data() && output.size_bytes() > 0) {
     std::memcpy(out, output.untyped_data(), output.size_bytes());  // XLA could not alias
   }
-  const double timeout_s = timeout_seconds();
+  const double timeout_s = c.timeout_s;
   const Tags tags = tags_of(channel);
 
   // 1. metadata: one message to and from every peer (self included, by copy).
@@ -276,6 +277,7 @@ void register_comm(int64_t key, intptr_t handle) {
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm, &c.rank);
   MPI_Comm_size(comm, &c.size);
+  c.timeout_s = timeout_seconds();
   std::lock_guard<std::mutex> lock(g_mu);
   g_comms[key] = c;
 }

@@ -56,6 +56,9 @@ struct CommState {
   int64_t* flag = nullptr;                   // pinned, mapped: [sequence, self-copy error]
   int64_t seq = 0;
   std::string broken;                        // non-empty once the communicator was aborted
+  // Read from the environment once, when the communicator is created (never per call):
+  double timeout_s = 300.0;                  // EP_COMM_TIMEOUT_S
+  bool self_via_nccl = false;                // EP_COMM_NCCL_SELF=1
   std::mutex mu;
 
   ~CommState() {
@@ -192,7 +195,7 @@ void poison(CommState& st, const std::string& why) {
 
 // Wait until the metadata of sequence `seq` is on the host, the communicator fails, or the deadline.
 std::string wait_for_metadata(CommState& st, int64_t seq) {
-  const double timeout_s = timeout_seconds();
+  const double timeout_s = st.timeout_s;
   const auto t0 = std::chrono::steady_clock::now();
   const auto deadline = t0 + std::chrono::duration<double>(timeout_s);
   volatile int64_t* flag = st.flag;
@@ -369,8 +372,7 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
                    cs.output_rows};
   // EP_COMM_NCCL_SELF=1 sends the self segment through the host path and NCCL like any peer's
   // (a diagnostic: on one GPU it shows what the multi-rank path costs per call).
-  const char* via = std::getenv("EP_COMM_NCCL_SELF");
-  const bool self_via_nccl = via != nullptr && via[0] == '1';
+  const bool self_via_nccl = st.self_via_nccl;
   if (row_bytes > 0 && !self_via_nccl) {
     launch_self_copy(st, in, out, a);
     EP_CUDA(cudaGetLastError(), "launching the self-copy kernel");
@@ -495,6 +497,9 @@ void init(int64_t key, const std::vector<Member>& members) {
     st->rank = mb.rank;
     st->size = mb.size;
     st->device = mb.ordinal;
+    st->timeout_s = timeout_seconds();
+    const char* via = std::getenv("EP_COMM_NCCL_SELF");
+    st->self_via_nccl = via != nullptr && via[0] == '1';
     states.push_back(std::move(st));
   }
   auto fail = [&](const std::string& what) {
