@@ -37,8 +37,8 @@ AXIS = "ep"
 if os.environ.get("EP_COMM_TEST_COMPILE_CACHE") and _INFO.num_processes == 1:
     # Repeated runs of the same programs (scripts/seed_sweep.sh: only the data changes) load them
     # from JAX's persistent compilation cache instead of compiling them again. Single process
-    # only: under mpirun (with or without jax_share_binary_between_hosts) the first MPI-engine
-    # tests failed and the run hung.
+    # only: tried under mpirun (with jax_share_binary_between_hosts, so that one process compiles
+    # for all), the first tests failed and the run hung; mpirun runs stay uncached.
     jax.config.update("jax_compilation_cache_dir", os.environ["EP_COMM_TEST_COMPILE_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
