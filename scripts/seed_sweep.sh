@@ -21,7 +21,7 @@ one() {  # one PHASE SEED COMMAND...
   log=$(mktemp)
   EP_COMM_TEST_SEED=$seed timeout 1200 "$@" >"$log" 2>&1
   local rc=$?
-  local line; line=$(grep -aE '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$log" | tail -1)
+  local line; line=$(grep -aoE '[0-9]+ (passed|failed)[^=]*' "$log" | tail -1)
   printf '%-8s seed %-6s exit %-3s %4ss  %s\n' "$phase" "$seed" "$rc" "$(( SECONDS - t0 ))" \
     "$line" | tee -a "$OUT/summary.txt"
   if [ "$rc" != 0 ]; then
