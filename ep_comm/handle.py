@@ -20,8 +20,8 @@ class EPHandle:
 
     Shapes use ``T = tokens_per_rank``, ``K = topk``, ``n = num_ranks``,
     ``R = config.recv_token_rows``, ``C = config.expert_rows`` and ``L = experts_per_rank``; for
-    the hierarchical plan ``N`` nodes of ``G`` ranks. Every leaf has a leading axis, so ``out_specs=P(axis_name)`` returns a whole
-    handle from ``shard_map`` (per-rank values stacked).
+    the hierarchical plan ``N`` nodes of ``G`` ranks. Every leaf has a leading axis, so
+    ``out_specs=P(axis_name)`` returns a whole handle from ``shard_map`` (per-rank values stacked).
 
     Attributes:
       config: the static :class:`EPConfig`.
@@ -42,8 +42,8 @@ class EPHandle:
       token_send_row: ``(T, K)`` int32; row of this rank's (first-stage) send buffer carrying
         pair ``(t, k)`` when ``k`` is the first of ``t``'s choices on that rank (flat) or node
         (hierarchical), else -1. Combine sums over these.
-      legs: the exchanges of the plan (one ``ep_comm.routes.Leg`` for flat; stage 1 then stage 2 for
-        hierarchical).
+      legs: the exchanges of the plan (one ``ep_comm.routes.Leg`` for flat; stage 1 then stage 2
+        for hierarchical).
       forward_row: hierarchical only (else ``None``): ``(N * T, G)`` int32; row of the stage-2
         send buffer that forwarded stage-1 row ``i`` to local rank ``g``, or -1.
       recv_weights: ``(R, K)`` float32; router weight of each received token's local experts (0
