@@ -8,6 +8,9 @@ Public API (everything else is private):
 - :class:`EPConfig`, :func:`dispatch_layout`, :func:`dispatch`, :func:`combine`, :class:`EPHandle`,
   :func:`check`, :class:`EPOverflowError` -- the MoE token exchange; :func:`link_bytes` -- what
   it sent over each link class; :mod:`ep_comm.plan` -- flat or hierarchical (two-stage) route.
+- :func:`moe_layer` (:class:`MoEOutput`, :func:`swiglu_experts`) -- the whole MoE FFN in one
+  call; :func:`grouped_matmul` -- the experts' GEMM (``ragged_dot`` semantics, fast kernels);
+  ``ep_comm.nnx.MoE`` -- a Flax NNX module over it (needs flax).
 - :mod:`ep_comm.distributed` -- multi-process set-up (``mpirun``) and global-array helpers.
 """
 
@@ -15,7 +18,9 @@ from ep_comm import distributed
 from ep_comm.config import EPConfig
 from ep_comm.layout import DispatchLayout, dispatch_layout
 from ep_comm import plan
+from ep_comm.gemm import grouped_matmul
 from ep_comm.handle import EPHandle, link_bytes
+from ep_comm.layer import MoEOutput, moe_layer, swiglu_experts
 from ep_comm.moe import combine, dispatch
 from ep_comm.overflow import EPOverflowError, check
 from ep_comm.ragged import (PendingExchange, ragged_all_to_all, ragged_all_to_all_done,
@@ -26,15 +31,19 @@ __all__ = [
     "EPConfig",
     "EPHandle",
     "EPOverflowError",
+    "MoEOutput",
     "PendingExchange",
     "check",
     "combine",
     "dispatch",
     "dispatch_layout",
     "distributed",
+    "grouped_matmul",
     "link_bytes",
+    "moe_layer",
     "plan",
     "ragged_all_to_all",
     "ragged_all_to_all_done",
     "ragged_all_to_all_start",
+    "swiglu_experts",
 ]

@@ -5,7 +5,8 @@
 # the dispatch/combine benchmark at a DeepSeek-V3-like single-rank config, and the topology step:
 # discovery with NVML (`python -m topology`) and the cost model's `self` link calibrated from the
 # engine's exchange at four sizes. STEPS picks steps (default: all of
-# build,tests,exchange,dispatch,topology); nvidia-ml-py is installed from wheels/ when the image
+# build,tests,exchange,dispatch,topology; `layer` -- the MoE layer and grouped GEMM sweep with
+# tokamax from .whl/, see below -- runs when named); nvidia-ml-py is installed from wheels/ when the image
 # lacks it. Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,20 @@ step exchange && echo "== exchange bench" && \
 step dispatch && echo "== dispatch/combine bench" && \
 "$PY" -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
   --routing uniform --iters 20 --json "$OUT/bench_T4096.json" 2>&1 | tee "$OUT/bench_T4096.txt"
+if step layer; then
+  echo "== MoE layer: grouped GEMM passes (tokamax tile sweep) and the layer, DeepSeek-V3 EP8 rank"
+  # tokamax travels as wheels in .whl/ (carry it; ../shared/NOTES.md), its xprof import as a stub
+  # in .gpu/ (benchmarking only)
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
+  fi
+  "$PY" -c "from ep_comm import gemm; print('tokamax:', gemm.tokamax_available())"
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py 2>&1 | tail -5 | tee "$OUT/layer_tests.txt"
+  "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
+    --topk 8 ${LAYER_ARGS:---tune} --profile /tmp/layer_profile --json "$OUT/layer.json" 2>&1 \
+    | tee "$OUT/layer.txt"
+fi
 if step topology; then
   echo "== topology: discovery (NVML) and the cost model's self link calibrated on this GPU"
   "$PY" -m topology --save "$OUT/topology.json" 2>&1 | tee "$OUT/topology.txt"

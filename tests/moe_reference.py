@@ -10,6 +10,9 @@ def routing(rng, kind, n, T, K, E):
     """Global ``(n*T, K)`` expert ids for a routing pattern; -1 means no expert."""
     if kind == "random":  # distinct experts per token, like a real top-k router
         ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K]
+    elif kind == "skewed":  # expert popularity falls off as 1 / (e + 1)^0.8; distinct per token
+        logits = rng.gumbel(size=(n * T, E)) - 0.8 * np.log1p(np.arange(E))[None, :]
+        ids = np.argsort(-logits, axis=1)[:, :K]
     elif kind == "masked":
         ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K]
         ids[rng.random((n * T, K)) < 0.4] = -1
@@ -89,6 +92,29 @@ def dense_moe(x, ids, w, W):
         out = out + jnp.where(ids[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) * \
             jnp.einsum("th,thf->tf", x, W[e])
     return out
+
+
+def dense_swiglu_moe(x, ids, w, w_in, w_out, shared_w_in=None, shared_w_out=None):
+    """The MoE layer on one device, densely (jax, differentiable, any float dtype):
+    ``sum_k w[:, k] * swiglu(x @ w_in[e]) @ w_out[e]`` over the slots with ``ids >= 0``, plus the
+    shared expert. Run it under ``jax.enable_x64()`` on float64 inputs for a float64 reference."""
+    import jax
+    import jax.numpy as jnp
+
+    def swiglu_mlp(u, w_o):
+        inter = w_o.shape[-2]
+        return jax.nn.silu(u[..., :inter]) * u[..., inter:]
+
+    E = w_in.shape[0]
+    y = 0.0
+    for k in range(ids.shape[1]):
+        e = jnp.clip(ids[:, k], 0, E - 1)
+        a = swiglu_mlp(jnp.einsum("th,thf->tf", x, w_in[e]), w_out)
+        y = y + jnp.where(ids[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) * \
+            jnp.einsum("tf,tfh->th", a, w_out[e])
+    if shared_w_in is not None:
+        y = y + swiglu_mlp(x @ shared_w_in, shared_w_out) @ shared_w_out
+    return y
 
 
 def hits_mean_sd(E, K, sizes):

@@ -1,0 +1,186 @@
+"""``grouped_matmul``: the experts' GEMM, ``jax.lax.ragged_dot`` semantics, the fastest correct
+kernel per platform and per pass.
+
+``out[r] = x[r] @ w[g]`` for the rows ``r`` of group ``g`` (groups are contiguous from row 0, in
+order, ``group_sizes[g]`` rows each); rows past ``sum(group_sizes)`` are zero.
+
+Three passes, each with its own kernel choice (:data:`PASSES`): the forward product, ``dlhs``
+(``dy @ w[g].T`` per group, a grouped GEMM again) and ``drhs`` (``x[rows of g].T @ dy[rows of g]``,
+a GEMM whose contracting dimension is ragged). Implementations:
+
+- ``"xla"``: ``jax.lax.ragged_dot`` / ``ragged_dot_general``. Exact on every platform; on GPU XLA
+  lowers it to a dense masked matmul over ``[groups, rows, K]`` (about 30x off the GPU, and out of
+  memory at a few hundred groups), so it is the CPU choice.
+- ``"tokamax"``: tokamax's Pallas Mosaic GPU kernels (Hopper; bf16/f16 inputs), with the tile
+  configs measured on an H200 in :data:`TOKAMAX_CONFIGS`. Needs ``pip install ep_comm[gpu]`` (tokamax,
+  jax >= 0.11.1). These kernels do not write rows past the groups; ``grouped_matmul`` zeroes them
+  (a select that XLA fuses into the next elementwise op), so results never depend on which kernel
+  ran and no uninitialised row reaches a later ``drhs``.
+- ``"auto"`` (default): ``"tokamax"`` on a CUDA backend when tokamax imports and the dtypes are
+  16-bit, else ``"xla"``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+PASSES = ("forward", "dlhs", "drhs")
+IMPLEMENTATIONS = ("auto", "xla", "tokamax")
+
+# ragged over the rows of lhs, rhs grouped over its leading axis: (M, K) x (G, K, N) -> (M, N)
+_RAGGED_ROWS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+# ragged contracting dimension: (M, K) x (M, N) -> (G, K, N), group g summing its own rows
+_RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+# Tile configs of tokamax's Mosaic GPU kernels per pass, measured on one H200 (bf16, the DeepSeek-V3
+# EP8 per-rank shape; table and command in docs/bench/h200x1_layer/). None: tokamax's heuristics.
+TOKAMAX_CONFIGS: dict[str, dict[str, Any] | None] = {
+    "forward": None,
+    "dlhs": None,
+    "drhs": None,
+}
+
+
+def tokamax_available() -> bool:
+    """Whether tokamax's GPU ragged dot imports here (it needs jax >= 0.11.1)."""
+    return _tokamax_op() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _tokamax_op():
+    try:
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu
+    except Exception:  # not installed, or a jax it does not support: the "xla" path stays
+        return None
+    return pallas_mosaic_gpu
+
+
+@functools.lru_cache(maxsize=None)
+def _tokamax_kernel(config: tuple | None):
+    mod = _tokamax_op()
+    return mod.PallasMosaicGpuRaggedDot(config=None if config is None else mod.Config(**dict(config)))
+
+
+def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
+    """The implementation ``"auto"`` means here for inputs of ``dtype``; checks the name."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{api}: implementation must be one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if implementation == "auto":
+        gpu = jax.default_backend() == "gpu"
+        return "tokamax" if gpu and sixteen_bit and tokamax_available() else "xla"
+    if implementation == "tokamax":
+        if not tokamax_available():
+            raise ValueError(f"{api}: implementation='tokamax' needs tokamax (pip install "
+                             f"'ep_comm[gpu]', jax >= 0.11.1), which does not import here")
+        if not sixteen_bit:
+            raise ValueError(f"{api}: implementation='tokamax' takes bfloat16 or float16 "
+                             f"inputs, got {jnp.dtype(dtype).name}")
+    return implementation
+
+
+def _zero_past_groups(out, group_sizes):
+    rows = jnp.arange(out.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+
+
+def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
+    """The kernel of one pass as ``f(a, b, group_sizes, out_dtype)``; ``impl`` is ``"xla"`` or
+    ``"tokamax"`` (resolved), ``config`` a tokamax tile config (default: :data:`TOKAMAX_CONFIGS`).
+
+    ``forward``/``dlhs``: ``(M, K) x (G, K, N) -> (M, N)`` grouped over the rows, zero past the
+    groups; ``drhs``: ``(M, K) x (M, N) -> (G, K, N)``, group ``g`` contracting its own rows."""
+    if pass_name not in PASSES:
+        raise ValueError(f"pass_kernel: pass_name must be one of {PASSES}, got {pass_name!r}")
+    dims = _RAGGED_CONTRACTING if pass_name == "drhs" else _RAGGED_ROWS
+    if impl == "xla":
+        def xla(a, b, group_sizes, out_dtype):
+            return lax.ragged_dot_general(a, b, group_sizes, dims,
+                                          preferred_element_type=out_dtype)
+        return xla
+    config = TOKAMAX_CONFIGS.get(pass_name) if config is None else config
+    kernel = _tokamax_kernel(None if config is None else tuple(sorted(config.items())))
+
+    def tokamax(a, b, group_sizes, out_dtype):
+        out = kernel(a, b, group_sizes=group_sizes, ragged_dot_dimension_numbers=dims,
+                     preferred_element_type=out_dtype)
+        # The drhs kernel masks rows outside a group by multiplying with 0, so the rows past the
+        # groups it reads must be finite: they are, since the row passes zero them here.
+        return out if pass_name == "drhs" else _zero_past_groups(out, group_sizes)
+    return tokamax
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, group_sizes, impls, out_dtype):
+    return pass_kernel("forward", impls[0])(x, w, group_sizes, out_dtype)
+
+
+def _grouped_fwd(x, w, group_sizes, impls, out_dtype):
+    return _grouped(x, w, group_sizes, impls, out_dtype), (x, w, group_sizes)
+
+
+def _grouped_bwd(impls, out_dtype, res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)  # kernels take one input dtype; they accumulate in float32
+    dx = pass_kernel("dlhs", impls[1])(dy, jnp.swapaxes(w, 1, 2), group_sizes, x.dtype)
+    dw = pass_kernel("drhs", impls[2])(x, dy, group_sizes, w.dtype)
+    gs_cot = np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return dx, dw, gs_cot
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
+                   implementation: str | dict = "auto"):
+    """Grouped GEMM with ``jax.lax.ragged_dot`` semantics; differentiable in ``x`` and ``w``.
+
+    Args:
+      x: ``(M, K)`` floating; rows grouped contiguously from row 0 (``expert_x`` from
+        :func:`ep_comm.dispatch`). Rows past ``sum(group_sizes)`` are read by no kernel.
+      w: ``(G, K, N)`` floating, the same dtype as ``x``; one matrix per group (local expert).
+      group_sizes: ``(G,)`` integer; rows per group, ``sum(group_sizes) <= M`` (the rows past
+        ``M`` of a larger sum are not computed, as in ``ragged_dot``).
+      preferred_element_type: output dtype (default ``x.dtype``); kernels accumulate in float32.
+      implementation: ``"auto"``, ``"xla"`` or ``"tokamax"`` for every pass, or a dict
+        ``{"forward": ..., "dlhs": ..., "drhs": ...}`` choosing per pass (missing passes: auto).
+
+    Returns:
+      ``(M, N)``: ``out[r] = x[r] @ w[g]`` for row ``r`` of group ``g``; zero past the groups.
+    """
+    api = "grouped_matmul"
+    x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{api}: x must be a floating array of shape (rows, K), "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    if w.ndim != 3 or not jnp.issubdtype(w.dtype, jnp.floating) or w.shape[1] != x.shape[1]:
+        raise ValueError(f"{api}: w must be a floating array of shape (groups, K, N) with "
+                         f"K = x.shape[1] = {x.shape[1]}, got {w.dtype} {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"{api}: w must have x's dtype {x.dtype}, got {w.dtype}")
+    if (group_sizes.ndim != 1 or group_sizes.shape[0] != w.shape[0]
+            or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
+        raise ValueError(f"{api}: group_sizes must be an integer array of shape (groups,) = "
+                         f"({w.shape[0]},), got {group_sizes.dtype} {tuple(group_sizes.shape)}")
+    out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    if isinstance(implementation, dict):
+        unknown = set(implementation) - set(PASSES)
+        if unknown:
+            raise ValueError(f"{api}: implementation dict keys must be among {PASSES}, "
+                             f"got {sorted(unknown)}")
+        choice = [implementation.get(p, "auto") for p in PASSES]
+    else:
+        choice = [implementation] * len(PASSES)
+    impls = tuple(resolve(c, x.dtype, api) for c in choice)
+    return _grouped(x, w, group_sizes.astype(jnp.int32), impls, out_dtype)

@@ -1,0 +1,142 @@
+"""``moe_layer``: the whole expert-parallel MoE FFN in one call -- dispatch, the local experts as
+grouped GEMMs, combine -- and the SwiGLU experts it runs by default."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ep_comm.config import EPConfig
+from ep_comm.gemm import grouped_matmul
+from ep_comm.handle import EPHandle
+from ep_comm.moe import combine, dispatch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEOutput:
+    """What ``moe_layer(..., return_handle=True)`` returns.
+
+    Attributes:
+      y: ``(T, H)``, the layer's output (as ``moe_layer`` returns it alone).
+      handle: the :class:`EPHandle` of the layer's dispatch (group sizes, drops, traffic).
+    """
+
+    y: jax.Array
+    handle: EPHandle
+
+
+def swiglu(u, intermediate: int):
+    """``silu(u[:, :I]) * u[:, I:]`` in float32, in ``u``'s dtype: the gate half first."""
+    g = u[:, :intermediate].astype(jnp.float32)
+    return (jax.nn.silu(g) * u[:, intermediate:].astype(jnp.float32)).astype(u.dtype)
+
+
+def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto"):
+    """SwiGLU experts over grouped rows: ``swiglu(x @ w_in[g]) @ w_out[g]`` per group ``g``.
+
+    ``w_in`` is ``(G, H, 2I)`` with the gate projection in its first ``I`` columns and the up
+    projection in the last ``I`` (one GEMM for both), ``w_out`` is ``(G, I, H)``."""
+    u = grouped_matmul(expert_x, w_in, group_sizes, implementation=implementation)
+    return grouped_matmul(swiglu(u, w_out.shape[1]), w_out, group_sizes,
+                          implementation=implementation)
+
+
+def _check_weight(api, name, a, shape, dtype, what):
+    if a.ndim != len(shape) or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{api}: {name} must have shape {what} = {tuple(shape)}, "
+                         f"got {tuple(a.shape)}")
+    if a.dtype != dtype:
+        raise ValueError(f"{api}: {name} must have x's dtype {jnp.dtype(dtype).name}, "
+                         f"got {a.dtype}")
+
+
+def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=None,
+              experts: Callable | None = None, shared_w_in=None, shared_w_out=None,
+              implementation="auto", return_handle: bool = False):
+    """The expert-parallel MoE FFN of one rank: ``y[t] = sum_k w[t,k] * expert_{id[t,k]}(x[t])``
+    (plus the shared expert's output when given). Dropless with the default ``config``.
+
+    Call inside ``jax.shard_map`` over ``config.axis_name``; expert weights are sharded over that
+    axis (this rank holds experts ``[r * E_local, (r + 1) * E_local)``, ``E_local =
+    config.experts_per_rank``). Differentiable in ``x``, ``topk_weights`` and every weight.
+
+    Args:
+      x: ``(T, H)`` floating, ``T = config.tokens_per_rank``.
+      topk_ids: ``(T, topk)`` integer expert ids, ``-1`` for none (see :func:`ep_comm.dispatch`).
+      topk_weights: ``(T, topk)`` floating router weights.
+      config: :class:`EPConfig`.
+      w_in: ``(E_local, H, 2 * I)`` in ``x.dtype``: this rank's SwiGLU input projections, gate
+        in the first ``I`` columns, up in the last ``I``.
+      w_out: ``(E_local, I, H)`` in ``x.dtype``: the output projections.
+      experts: instead of ``w_in``/``w_out``, a function ``(expert_x, group_sizes) -> expert_y``
+        (``(config.expert_rows, H)`` each; rows grouped by local expert as ``group_sizes`` says).
+        :func:`ep_comm.grouped_matmul` is the GEMM to build it from.
+      shared_w_in, shared_w_out: optional shared expert (``(H, 2 * I_s)`` and ``(I_s, H)``,
+        SwiGLU, applied densely to every token and added).
+      implementation: :func:`ep_comm.grouped_matmul`'s choice for the SwiGLU experts.
+      return_handle: also return dispatch's handle (a :class:`MoEOutput`).
+
+    Returns:
+      ``(T, H)`` in ``x.dtype`` (or :class:`MoEOutput` with ``return_handle=True``).
+    """
+    api = "moe_layer"
+    x = jnp.asarray(x)
+    if not isinstance(config, EPConfig):
+        raise TypeError(f"{api}: config must be an ep_comm.EPConfig, got {type(config).__name__}")
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{api}: x must be a floating array of shape (tokens_per_rank, hidden), "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    H, L = x.shape[1], config.experts_per_rank
+    if experts is None:
+        if w_in is None or w_out is None:
+            raise ValueError(f"{api}: pass the SwiGLU weights w_in and w_out, or experts=; "
+                             f"got w_in={'set' if w_in is not None else None}, "
+                             f"w_out={'set' if w_out is not None else None}")
+        w_in, w_out = jnp.asarray(w_in), jnp.asarray(w_out)
+        if w_in.ndim != 3 or w_in.shape[2] % 2:
+            raise ValueError(f"{api}: w_in must have shape (experts_per_rank, hidden, "
+                             f"2 * intermediate), got {tuple(w_in.shape)}")
+        inter = w_in.shape[2] // 2
+        _check_weight(api, "w_in", w_in, (L, H, 2 * inter), x.dtype,
+                      f"(experts_per_rank = num_experts / num_ranks, hidden, 2 * intermediate)")
+        _check_weight(api, "w_out", w_out, (L, inter, H), x.dtype,
+                      "(experts_per_rank, intermediate, hidden)")
+        run_experts = lambda ex, gs: swiglu_experts(ex, gs, w_in, w_out, implementation)
+    else:
+        if w_in is not None or w_out is not None:
+            raise ValueError(f"{api}: pass either experts= or the SwiGLU weights w_in/w_out, "
+                             f"not both")
+        if not callable(experts):
+            raise TypeError(f"{api}: experts must be a function (expert_x, group_sizes) -> "
+                            f"expert_y, got {type(experts).__name__}")
+        run_experts = experts
+    shared = (shared_w_in is not None, shared_w_out is not None)
+    if any(shared) and not all(shared):
+        raise ValueError(f"{api}: the shared expert needs both shared_w_in and shared_w_out")
+    if all(shared):
+        shared_w_in, shared_w_out = jnp.asarray(shared_w_in), jnp.asarray(shared_w_out)
+        if shared_w_in.ndim != 2 or shared_w_in.shape[1] % 2:
+            raise ValueError(f"{api}: shared_w_in must have shape (hidden, 2 * intermediate), "
+                             f"got {tuple(shared_w_in.shape)}")
+        s_inter = shared_w_in.shape[1] // 2
+        _check_weight(api, "shared_w_in", shared_w_in, (H, 2 * s_inter), x.dtype,
+                      "(hidden, 2 * intermediate)")
+        _check_weight(api, "shared_w_out", shared_w_out, (s_inter, H), x.dtype,
+                      "(intermediate, hidden)")
+
+    expert_x, handle = dispatch(x, topk_ids, topk_weights, config)
+    expert_y = run_experts(expert_x, handle.group_sizes)
+    if tuple(getattr(expert_y, "shape", ())) != tuple(expert_x.shape):
+        raise ValueError(f"{api}: experts must return expert_y of shape (expert_rows, hidden) = "
+                         f"{tuple(expert_x.shape)}, got {tuple(getattr(expert_y, 'shape', ()))}")
+    y = combine(expert_y, handle)
+    if all(shared):
+        u = jnp.dot(x, shared_w_in, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = (y.astype(jnp.float32) + jnp.dot(swiglu(u, s_inter), shared_w_out,
+                                             preferred_element_type=jnp.float32)).astype(x.dtype)
+    y = y.astype(x.dtype)
+    return MoEOutput(y, handle) if return_handle else y

@@ -1,0 +1,374 @@
+"""Benchmark the whole MoE layer and its grouped GEMMs: ``python -m ep_comm.layer_bench``.
+
+One run, side by side, on one routing (uniform top-k over ``--experts``):
+
+- ``gemm``: every pass (forward, dlhs, drhs) of the two expert GEMMs (up: ``H -> 2I``, down:
+  ``I -> H``) with each candidate kernel -- ``lax.ragged_dot`` (``xla``; skipped on GPU past
+  ``--xla-max-gib`` of its dense mask), tokamax with its heuristics and with the tile configs in
+  ``--tokamax-configs`` -- against the dense ceiling: a batched einsum of the same FLOPs with
+  every group the same size. ``--tune`` then runs the layer with the fastest tokamax config of
+  each pass (what :data:`ep_comm.gemm.TOKAMAX_CONFIGS` should hold).
+- ``layer``: ``moe_layer`` (dispatch, SwiGLU experts, combine) forward and forward+backward with
+  the chosen grouped GEMM, with ``lax.ragged_dot`` (forward, where it fits), and the dense ceiling
+  (the same expert FLOPs as batched einsums, no routing); TFLOP/s, ratio to the ceiling, memory
+  per rank (XLA's buffer assignment), and with ``--profile DIR`` the GPU kernel time split into
+  GEMM kernels and the rest (dispatch, combine, activation) from a profiler trace.
+
+Times are medians of ``--iters`` after ``--warmup``; ``#wrong`` counts outputs off a float64
+reference by more than the dtype's tolerance (layer: every token of rank 0). JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ep_comm
+from collectives.timing import emit, hardware, median_us
+from ep_comm import gemm as gm
+
+# tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N
+CANDIDATES = [
+    dict(block_m=128, block_n=64, block_k=64, num_stages=4, split_k=1, persistent=False),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1, persistent=False),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1, persistent=True),
+    dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=False),
+    dict(block_m=64, block_n=128, block_k=64, num_stages=4, split_k=1, persistent=False),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, split_k=1, persistent=False),
+    dict(block_m=128, block_n=128, block_k=128, num_stages=3, split_k=1, persistent=False),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1, persistent=False,
+         grid_minor_dim=0, grid_tile_width=8),
+]
+
+
+def _label(cfg):
+    if cfg is None:
+        return "heuristics"
+    s = f"m{cfg['block_m']}n{cfg['block_n']}k{cfg['block_k']}s{cfg['num_stages']}"
+    s += "p" if cfg.get("persistent") else ""
+    if "grid_tile_width" in cfg:
+        s += f"t{cfg['grid_tile_width']}{'MN'[cfg.get('grid_minor_dim', 1)]}"
+    return s
+
+
+def _uniform_sizes(rows, groups):
+    sizes = np.full(groups, rows // groups, np.int32)
+    sizes[: rows % groups] += 1
+    return sizes
+
+
+def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, xla_max_gib):
+    """Every pass of the up and down GEMMs with each candidate; returns (results, best configs)."""
+    rng = np.random.default_rng(0)
+    gs = jnp.asarray(_uniform_sizes(rows, groups))
+    gpu = jax.default_backend() == "gpu"
+    impls = [("xla", None)]
+    if gm.tokamax_available() and jnp.dtype(dtype).itemsize == 2:
+        impls += [("tokamax", None)] + [("tokamax", c) for c in candidates]
+    results, best = [], {}
+    for name, k, n in (("up", hidden, 2 * inter), ("down", inter, hidden)):
+        a = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+        b = jnp.asarray(rng.standard_normal((groups, k, n)) / np.sqrt(k), dtype)
+        dy = jnp.asarray(rng.standard_normal((rows, n)), dtype)
+        flops = 2.0 * rows * k * n
+        # dense ceiling: equal groups as one batched einsum (the same FLOPs, no raggedness)
+        m_g = rows // groups
+        ab = a[: m_g * groups].reshape(groups, m_g, k)
+        dense = {
+            "forward": (jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b)), (ab, b)),
+            "dlhs": (jax.jit(lambda d, b: jnp.einsum("gmn,gkn->gmk", d, b)),
+                     (dy[: m_g * groups].reshape(groups, m_g, n), b)),
+            "drhs": (jax.jit(lambda a, d: jnp.einsum("gmk,gmn->gkn", a, d)),
+                     (ab, dy[: m_g * groups].reshape(groups, m_g, n))),
+        }
+        for pass_name in gm.PASSES:
+            fn, args = dense[pass_name]
+            t_dense = median_us(fn, args, warmup, iters)
+            results.append(dict(gemm=name, pass_=pass_name, impl="dense einsum", time_us=t_dense,
+                                tflops=flops / t_dense / 1e6, x_dense=1.0, wrong=0))
+            if pass_name == "drhs":
+                operands, ref_fn = (a, dy), lambda: np.einsum(
+                    "gmk,gmn->gkn", *(np.asarray(v, np.float32)[: m_g * groups].reshape(
+                        groups, m_g, -1) for v in (a, dy)))
+            else:
+                lhs = a if pass_name == "forward" else dy
+                rhs = b if pass_name == "forward" else jnp.swapaxes(b, 1, 2)
+                operands = (lhs, rhs)
+                ref_fn = functools.partial(_ref_rows, lhs, rhs, gs)
+            ref = None
+            for impl, cfg in impls:
+                label = f"{impl} {_label(cfg)}" if impl == "tokamax" else "lax.ragged_dot"
+                mask_gib = groups * rows * max(k, n) * jnp.dtype(dtype).itemsize / 2**30
+                if impl == "xla" and gpu and mask_gib > xla_max_gib:
+                    results.append(dict(gemm=name, pass_=pass_name, impl=label,
+                                        skipped=f"dense mask ~{mask_gib:.0f} GiB"))
+                    continue
+                f = jax.jit(functools.partial(gm.pass_kernel(pass_name, impl, cfg),
+                                              out_dtype=jnp.dtype(dtype)))
+                try:
+                    out = f(*operands, gs)
+                    t = median_us(f, (*operands, gs), warmup, iters)
+                except Exception as e:  # a tile config this GPU cannot run: report, go on
+                    results.append(dict(gemm=name, pass_=pass_name, impl=label,
+                                        skipped=f"{type(e).__name__}: {str(e)[:120]}"))
+                    continue
+                ref = ref_fn() if ref is None else ref
+                results.append(dict(gemm=name, pass_=pass_name, impl=label, time_us=t,
+                                    tflops=flops / t / 1e6, x_dense=t / t_dense,
+                                    wrong=_wrong(out, ref, dtype, k), config=cfg))
+    for pass_name in gm.PASSES:  # the tokamax config fastest over both GEMMs of each pass
+        totals = {}
+        for r in results:
+            if r["pass_"] == pass_name and r["impl"].startswith("tokamax") and "time_us" in r \
+                    and r["wrong"] == 0:
+                key = _label(r["config"])
+                totals.setdefault(key, [r["config"], 0.0, 0])
+                totals[key][1] += r["time_us"]
+                totals[key][2] += 1
+        full = [v for v in totals.values() if v[2] == 2]
+        if full:
+            best[pass_name] = min(full, key=lambda v: v[1])[0]
+    return results, best
+
+
+def _ref_rows(lhs, rhs, gs):
+    lhs, rhs = np.asarray(lhs, np.float32), np.asarray(rhs, np.float32)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]), np.float32)
+    start = 0
+    for g, size in enumerate(np.asarray(gs)):
+        out[start:start + size] = lhs[start:start + size] @ rhs[g]
+        start += size
+    return out
+
+
+def _wrong(out, ref, dtype, k):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    eps = float(jnp.finfo(dtype).eps)
+    tol = 4 * eps * np.sqrt(k) * (np.abs(ref).max() + 1e-30) + (eps * np.abs(ref))
+    return int(np.sum(np.abs(out - ref) > tol))
+
+
+def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
+                 xla_max_gib, profile):
+    """moe_layer forward and forward+backward, next to the dense ceiling of the same FLOPs."""
+    mesh = jax.make_mesh((jax.device_count(),), ("ep",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    n = mesh.shape["ep"]
+    T, H, I, E, K = tokens, hidden, inter, experts, topk
+    L = E // n
+    rng = np.random.default_rng(1)
+    ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K].astype(np.int32)
+    w = rng.random((n * T, K)).astype(np.float32)
+    x = (rng.standard_normal((n * T, H)) * 0.5).astype(np.float32)
+    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    rows = NamedSharding(mesh, P("ep"))
+    put = lambda a: ep_comm.distributed.global_array(a, rows)
+    xs, idss, ws, wis, wos = (put(x.astype(dtype)), put(ids), put(w),
+                              put(w_in.astype(dtype)), put(w_out.astype(dtype)))
+    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T)
+    pairs = T * K  # (token, expert) rows per rank, balanced
+    fwd_flops = 2.0 * pairs * (H * 2 * I + I * H)
+
+    def program(impl):
+        def f(x, ids, w, wi, wo):
+            return ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, implementation=impl)
+        fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+        def loss(x, w, wi, wo, ids):
+            y = jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(x, ids, w, wi, wo)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        return fwd, bwd
+
+    # dense ceiling: T*K rows per rank in L equal groups through both GEMMs (and their grads)
+    m_g = pairs // L
+    xd = put(np.asarray(rng.standard_normal((n * L, m_g, H)) * 0.5, dtype))
+
+    def dense(xg, wi, wo):
+        u = jnp.einsum("gmh,ghf->gmf", xg, wi)
+        a = ep_comm.layer.swiglu(u.reshape(-1, 2 * I), I).reshape(u.shape[0], m_g, I)
+        return jnp.einsum("gmf,gfh->gmh", a, wo)
+    dense_fwd = jax.jit(jax.shard_map(dense, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    dense_bwd = jax.jit(jax.grad(lambda xg, wi, wo: jnp.sum(jax.shard_map(
+        dense, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(xg, wi, wo).astype(
+            jnp.float32) ** 2), argnums=(0, 1, 2)))
+    t_dense_f = median_us(dense_fwd, (xd, wis, wos), warmup, iters)
+    t_dense_b = median_us(dense_bwd, (xd, wis, wos), warmup, iters)
+
+    ref = _layer_reference(x[:T], ids[:T], w[:T], w_in, w_out, dtype)
+    results = [dict(impl="dense einsum (ceiling)", pass_="forward", time_us=t_dense_f,
+                    tflops=fwd_flops / t_dense_f / 1e6, x_dense=1.0),
+               dict(impl="dense einsum (ceiling)", pass_="fwd+bwd", time_us=t_dense_b,
+                    tflops=3 * fwd_flops / t_dense_b / 1e6, x_dense=1.0)]
+    gpu = jax.default_backend() == "gpu"
+    variants = [(implementation, True)]
+    if gm.resolve(implementation, dtype) != "xla":
+        mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
+        variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
+    for impl, fits in variants:
+        label = f"moe_layer grouped_matmul={impl}"
+        if impl == "auto":
+            label += f" ({gm.resolve('auto', dtype)})"
+        if not fits:
+            results.append(dict(impl=label, pass_="forward", skipped="dense mask too large"))
+            continue
+        fwd, bwd = program(impl)
+        y = fwd(xs, idss, ws, wis, wos)
+        wrong = _wrong(ep_comm.distributed.to_host(y)[:T], ref, dtype, H)
+        t_f = median_us(fwd, (xs, idss, ws, wis, wos), warmup, iters)
+        mem = fwd.lower(xs, idss, ws, wis, wos).compile().memory_analysis()
+        results.append(dict(impl=label, pass_="forward", time_us=t_f,
+                            tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
+                            temp_bytes=getattr(mem, "temp_size_in_bytes", None)))
+        if gpu and impl == "xla":
+            continue  # its drhs is a dense masked product over every group: forward shows enough
+        t_b = median_us(bwd, (xs, ws, wis, wos, idss), warmup, iters)
+        mem = bwd.lower(xs, ws, wis, wos, idss).compile().memory_analysis()
+        rep = dict(impl=label, pass_="fwd+bwd", time_us=t_b, tflops=3 * fwd_flops / t_b / 1e6,
+                   x_dense=t_b / t_dense_b, temp_bytes=getattr(mem, "temp_size_in_bytes", None))
+        if profile and impl == implementation:
+            rep["trace"] = _profile_split(profile, bwd, (xs, ws, wis, wos, idss))
+        results.append(rep)
+    return dict(kind="layer", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
+                                          experts=E, topk=K, dtype=jnp.dtype(dtype).name),
+                ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results,
+                tokamax_configs=dict(gm.TOKAMAX_CONFIGS))
+
+
+def _layer_reference(x, ids, w, w_in, w_out, dtype):
+    """Rank 0's output in float64 from the dtype-rounded inputs."""
+    r = lambda a: np.asarray(jnp.asarray(a, dtype), np.float64)
+    x, w_in, w_out = r(x), r(w_in), r(w_out)
+    I = w_out.shape[1]
+    y = np.zeros_like(x)
+    for k in range(ids.shape[1]):
+        u = np.einsum("th,thf->tf", x, w_in[ids[:, k]])
+        a = u[:, :I] / (1 + np.exp(-u[:, :I])) * u[:, I:]
+        y += w[:, k:k + 1] * np.einsum("tf,tfh->th", a, w_out[ids[:, k]])
+    return y
+
+
+def _profile_split(folder, fn, args):
+    """GPU kernel time of one call from a profiler trace: GEMM kernels vs the rest."""
+    os.makedirs(folder, exist_ok=True)
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(folder):
+        for _ in range(3):
+            jax.block_until_ready(fn(*args))
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        return {"error": f"no trace under {folder}"}
+    with gzip.open(files[-1]) as f:
+        events = json.load(f).get("traceEvents", [])
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    kernels = [e for e in events if e.get("ph") == "X"
+               and "Stream" in names.get((e.get("pid"), e.get("tid")), "")]
+    is_gemm = lambda k: any(s in k["name"].lower() for s in (
+        "ragged", "gemm", "nvjet", "cutlass", "matmul", "sm90", "wgmma", "dot"))
+    total = sum(k["dur"] for k in kernels) / 3
+    gemm = sum(k["dur"] for k in kernels if is_gemm(k)) / 3
+    top = {}
+    for k in kernels:
+        if not is_gemm(k):
+            top[k["name"][:50]] = top.get(k["name"][:50], 0) + k["dur"] / 3
+    return dict(kernel_us=total, gemm_us=gemm, other_us=total - gemm,
+                top_other={k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:8]})
+
+
+def table(rep) -> str:
+    head = f"# {rep['hardware']}\n# median of {rep['iters']} after {rep['warmup']} warm-up\n"
+    if rep["kind"] == "gemm":
+        c = rep["config"]
+        lines = [head + f"# grouped GEMM passes: {c['rows']} rows in {c['groups']} equal groups, "
+                 f"H={c['hidden']}, I={c['intermediate']} (up: H->2I, down: I->H), {c['dtype']}",
+                 f"{'gemm':<6}{'pass':<9}{'impl':<34}{'time(us)':>10}{'TFLOP/s':>9}"
+                 f"{'x dense':>9}{'#wrong':>8}"]
+        for r in rep["results"]:
+            if "skipped" in r:
+                lines.append(f"{r['gemm']:<6}{r['pass_']:<9}{r['impl']:<34}  skipped: "
+                             f"{r['skipped']}")
+                continue
+            lines.append(f"{r['gemm']:<6}{r['pass_']:<9}{r['impl']:<34}{r['time_us']:>10.1f}"
+                         f"{r['tflops']:>9.1f}{r['x_dense']:>9.2f}{r['wrong']:>8d}")
+        lines.append(f"# fastest tokamax config per pass: "
+                     f"{ {p: _label(c) for p, c in rep['best'].items()} }")
+        return "\n".join(lines)
+    c = rep["config"]
+    lines = [head + f"# moe_layer: {rep['ranks']} rank(s), {c['tokens_per_rank']} tokens/rank, "
+             f"top-{c['topk']} of {c['experts']} experts, H={c['hidden']}, SwiGLU I="
+             f"{c['intermediate']}, {c['dtype']}; ceiling = the same expert FLOPs as dense "
+             f"batched einsums; tokamax configs {rep['tokamax_configs']}",
+             f"{'impl':<44}{'pass':<9}{'time(us)':>11}{'TFLOP/s':>9}{'x dense':>9}{'#wrong':>8}"
+             f"{'temp':>11}"]
+    for r in rep["results"]:
+        if "skipped" in r:
+            lines.append(f"{r['impl']:<44}{r['pass_']:<9}  skipped: {r['skipped']}")
+            continue
+        temp = f"{r['temp_bytes'] / 2**30:>9.2f}GB" if r.get("temp_bytes") is not None \
+            else f"{'-':>11}"
+        wrong = f"{r['wrong']:>8d}" if "wrong" in r else f"{'-':>8}"
+        lines.append(f"{r['impl']:<44}{r['pass_']:<9}{r['time_us']:>11.1f}{r['tflops']:>9.1f}"
+                     f"{r['x_dense']:>9.2f}{wrong}{temp}")
+        if "trace" in r:
+            lines.append(f"#   trace: {json.dumps(r['trace'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="MoE layer and grouped GEMM benchmark")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=32, help="SwiGLU width I per expert")
+    ap.add_argument("--experts", type=int, default=None, help="default: 4 per rank")
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--parts", default="gemm,layer")
+    ap.add_argument("--tune", action="store_true",
+                    help="run the layer with the fastest tokamax config per pass of the sweep")
+    ap.add_argument("--implementation", default="auto", help="grouped_matmul's, for the layer")
+    ap.add_argument("--xla-max-gib", type=float, default=40.0,
+                    help="skip lax.ragged_dot on GPU when its dense mask exceeds this")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", default=None, help="trace the layer's fwd+bwd into this folder")
+    ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    ep_comm.distributed.initialize(local_device_count=args.devices)
+    n = jax.device_count()
+    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    E = args.experts or 4 * n
+    parts = args.parts.split(",")
+
+    def reports():
+        if "gemm" in parts:
+            rows = args.tokens * args.topk  # the (token, expert) rows one rank gets, balanced
+            res, best = gemm_sweep(rows, args.hidden, args.intermediate, E // n, dtype,
+                                   args.warmup, args.iters, CANDIDATES, args.xla_max_gib)
+            if args.tune:
+                gm.TOKAMAX_CONFIGS.update(best)
+            yield dict(kind="gemm", config=dict(rows=rows, groups=E // n, hidden=args.hidden,
+                                                intermediate=args.intermediate,
+                                                dtype=dtype.name),
+                       hardware=hardware(), warmup=args.warmup, iters=args.iters, results=res,
+                       best=best)
+        if "layer" in parts:
+            yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
+                               args.warmup, args.iters, args.implementation, args.xla_max_gib,
+                               args.profile)
+    return emit(reports(), table, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""grouped_matmul against lax.ragged_dot, and moe_layer against a dense float64 model."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ep_comm
+from ep_comm import gemm
+from moe_reference import dense_swiglu_moe, routing
+
+T, K, H, I, I_SHARED = 16, 4, 8, 6, 5
+TOKAMAX = pytest.mark.skipif(
+    not (jax.default_backend() == "gpu" and gemm.tokamax_available()),
+    reason="tokamax's GPU kernels need a CUDA backend and tokamax (pip install 'ep_comm[gpu]')")
+
+
+# ---- grouped_matmul ------------------------------------------------------------------------------
+
+GROUPINGS = {
+    "uneven with empty groups": [3, 0, 7, 0, 5],
+    "all rows in one group": [0, 0, 24, 0, 0],
+    "rows past the groups": [2, 4, 1, 3, 0],  # 10 of 24 rows
+    "no rows": [0, 0, 0, 0, 0],
+}
+
+
+def _ragged_case(rng, sizes, dtype, M=24, Kd=16, N=8):
+    x = rng.standard_normal((M, Kd)).astype(np.float32)
+    w = (rng.standard_normal((len(sizes), Kd, N)) / 4).astype(np.float32)
+    cot = rng.standard_normal((M, N)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a, dtype)
+    return cast(x), cast(w), jnp.asarray(sizes, jnp.int32), cast(cot)
+
+
+@functools.lru_cache(maxsize=None)
+def _value_and_grads(implementation):
+    def f(x, w, gs, cot):
+        out, vjp = jax.vjp(lambda x, w: grouped(x, w, gs), x, w)
+        return (out,) + vjp(cot)
+
+    impl = dict(implementation) if isinstance(implementation, tuple) else implementation
+    grouped = (lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)) if impl is None else \
+        functools.partial(ep_comm.grouped_matmul, implementation=impl)
+    return jax.jit(f)
+
+
+def _check_against_ragged_dot(rng, sizes, dtype, implementation, rtol):
+    x, w, gs, cot = _ragged_case(rng, sizes, dtype)
+    key = tuple(implementation.items()) if isinstance(implementation, dict) else implementation
+    got = _value_and_grads(key)(x, w, gs, cot)
+    # the reference: lax.ragged_dot (values and its own transpose rules) in float32
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    want = _value_and_grads(None)(f32(x), f32(w), gs, f32(cot))
+    for name, g, r in zip(("out", "dx", "dw"), got, want):
+        assert g.dtype == x.dtype, name
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * (1 + np.abs(r).max()),
+                                   err_msg=name)
+    total = int(np.sum(sizes))
+    np.testing.assert_array_equal(np.asarray(got[0], np.float64)[total:], 0.0)  # past the groups
+    np.testing.assert_array_equal(np.asarray(got[1], np.float64)[total:], 0.0)
+
+
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_matmul_equals_ragged_dot_with_gradients(rng, grouping, dtype):
+    # bf16: the reference sees the same bf16-rounded inputs; results differ by output rounding
+    _check_against_ragged_dot(rng, GROUPINGS[grouping], dtype, "auto",
+                              rtol=1e-6 if dtype == "float32" else 2 ** -7)
+
+
+@TOKAMAX
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_grouped_matmul_tokamax_equals_ragged_dot_with_gradients(rng, grouping):
+    _check_against_ragged_dot(rng, GROUPINGS[grouping], "bfloat16", "tokamax", rtol=2 ** -7)
+
+
+def test_grouped_matmul_per_pass_choice(rng):
+    sizes = GROUPINGS["rows past the groups"]
+    _check_against_ragged_dot(rng, sizes, "float32", {"forward": "xla", "drhs": "auto"},
+                              rtol=1e-6)
+
+
+def _raises(fn, message):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        fn()
+
+
+def test_grouped_matmul_rejects_bad_input():
+    x = jnp.zeros((6, 4), jnp.float32)
+    w = jnp.zeros((3, 4, 5), jnp.float32)
+    gs = jnp.array([1, 2, 3], jnp.int32)
+    gmm = ep_comm.grouped_matmul
+    _raises(lambda: gmm(x[0], w, gs),
+            "grouped_matmul: x must be a floating array of shape (rows, K), got float32 (4,)")
+    _raises(lambda: gmm(x.astype(jnp.int32), w, gs),
+            "grouped_matmul: x must be a floating array of shape (rows, K), got int32 (6, 4)")
+    _raises(lambda: gmm(x, w[:, :3], gs),
+            "grouped_matmul: w must be a floating array of shape (groups, K, N) with "
+            "K = x.shape[1] = 4, got float32 (3, 3, 5)")
+    _raises(lambda: gmm(x, w.astype(jnp.bfloat16), gs),
+            "grouped_matmul: w must have x's dtype float32, got bfloat16")
+    _raises(lambda: gmm(x, w, gs[:2]),
+            "grouped_matmul: group_sizes must be an integer array of shape (groups,) = (3,), "
+            "got int32 (2,)")
+    _raises(lambda: gmm(x, w, gs.astype(jnp.float32)),
+            "grouped_matmul: group_sizes must be an integer array of shape (groups,) = (3,), "
+            "got float32 (3,)")
+    _raises(lambda: gmm(x, w, gs, implementation="cublas"),
+            "grouped_matmul: implementation must be one of ('auto', 'xla', 'tokamax'), "
+            "got 'cublas'")
+    _raises(lambda: gmm(x, w, gs, implementation={"backward": "xla"}),
+            "grouped_matmul: implementation dict keys must be among ('forward', 'dlhs', "
+            "'drhs'), got ['backward']")
+    _raises(lambda: gmm(x, w, gs, implementation="tokamax"),
+            "grouped_matmul: implementation='tokamax' needs tokamax (pip install 'ep_comm[gpu]', "
+            "jax >= 0.11.1), which does not import here" if not gemm.tokamax_available() else
+            "grouped_matmul: implementation='tokamax' takes bfloat16 or float16 inputs, "
+            "got float32")
+
+
+# ---- moe_layer -----------------------------------------------------------------------------------
+
+def layer_config(n, **kw):
+    return ep_comm.EPConfig(axis_name="ep", num_ranks=n, num_experts=4 * n, topk=K,
+                            tokens_per_rank=T, **kw)
+
+
+def layer_inputs(rng, n, kind):
+    E = 4 * n
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    ids = routing(rng, kind, n, T, K, E)
+    w = rng.random((n * T, K)).astype(np.float32)
+    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    s_in = (rng.standard_normal((H, 2 * I_SHARED)) / np.sqrt(H)).astype(np.float32)
+    s_out = (rng.standard_normal((I_SHARED, H)) / np.sqrt(I_SHARED)).astype(np.float32)
+    cot = rng.standard_normal((n * T, H)).astype(np.float32)
+    return x, ids, w, w_in, w_out, s_in, s_out, cot
+
+
+@functools.lru_cache(maxsize=None)
+def layer_program(sharded, cfg, shared: bool):
+    """moe_layer's output and its gradients in x, the router weights and every weight."""
+    from jax.sharding import PartitionSpec as P
+
+    def layer(x, ids, w, w_in, w_out, s_in, s_out):
+        return ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
+                                 shared_w_in=s_in if shared else None,
+                                 shared_w_out=s_out if shared else None)
+
+    def f(x, ids, w, w_in, w_out, s_in, s_out, cot):
+        def loss(x, w, w_in, w_out, s_in, s_out):
+            return jax.lax.psum(jnp.sum(layer(x, ids, w, w_in, w_out, s_in, s_out) * cot), "ep")
+        grads = jax.grad(loss, argnums=tuple(range(6)))(x, w, w_in, w_out, s_in, s_out)
+        return (layer(x, ids, w, w_in, w_out, s_in, s_out),) + grads
+
+    # shared weights are replicated: their gradient is the psum'd loss's, the same on every rank
+    specs = (P("ep"),) * 5 + (P(), P(), P("ep"))
+    out_specs = (P("ep"),) * 5 + (P(), P())
+    return jax.jit(jax.shard_map(f, mesh=sharded.mesh, in_specs=specs, out_specs=out_specs))
+
+
+def dense_reference(x, ids, w, w_in, w_out, s_in, s_out, cot, shared):
+    """Float64: the dense layer's output and gradients (x, w, w_in, w_out, s_in, s_out)."""
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(a, jnp.float64)
+        args = [f64(a) for a in (x, w, w_in, w_out, s_in, s_out)]
+
+        def loss(x, w, w_in, w_out, s_in, s_out):
+            y = dense_swiglu_moe(x, jnp.asarray(ids), w, w_in, w_out,
+                                 s_in if shared else None, s_out if shared else None)
+            return jnp.sum(y * f64(cot)), y
+        grads, y = jax.grad(loss, argnums=tuple(range(6)), has_aux=True)(*args)
+        return [np.asarray(a) for a in (y, *grads)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["random", "skewed", "masked", "one_expert"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared):
+    x, ids, w, w_in, w_out, s_in, s_out, cot = layer_inputs(rng, n, kind)
+    cfg = layer_config(n)
+    rows = sharded.put(x, ids, w, w_in, w_out)
+    got = sharded.get(layer_program(sharded, cfg, shared)(
+        *rows, sharded.put_replicated(s_in), sharded.put_replicated(s_out), sharded.put(cot)))
+    want = dense_reference(x, ids, w, w_in, w_out, s_in, s_out, cot, shared)
+    names = ("y", "d x", "d topk_weights", "d w_in", "d w_out", "d shared_w_in",
+             "d shared_w_out")
+    for name, g, r in zip(names, got, want):
+        assert g.shape == r.shape, name
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+    if not shared:
+        np.testing.assert_array_equal(got[5], 0.0)
+
+
+@pytest.mark.multiprocess
+def test_layer_user_experts_and_handle(sharded, n, rng):
+    """experts= gets expert_x and group_sizes; return_handle gives dispatch's handle."""
+    x, ids, w, w_in, w_out, *_ = layer_inputs(rng, n, "random")
+    cfg = layer_config(n)
+    W = (rng.standard_normal((4 * n, H, H)) / np.sqrt(H)).astype(np.float32)
+
+    def f(x, ids, w, W_local):
+        out = ep_comm.moe_layer(
+            x, ids, w, cfg, return_handle=True,
+            experts=lambda ex, gs: ep_comm.grouped_matmul(ex, W_local, gs))
+        return out.y, out.handle.group_sizes, out.handle.num_dropped
+
+    y, gs, dropped = sharded.get(sharded.smap(f)(*sharded.put(x, ids, w, W)))
+    with jax.enable_x64(True):
+        want = 0.0
+        for k in range(K):
+            want = want + w[:, k:k + 1].astype(np.float64) * np.einsum(
+                "th,thf->tf", x.astype(np.float64), W.astype(np.float64)[ids[:, k]])
+    np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-5)
+    L = cfg.experts_per_rank
+    np.testing.assert_array_equal(gs, np.bincount(ids.reshape(-1), minlength=4 * n).reshape(
+        n * L))
+    np.testing.assert_array_equal(dropped, 0)
+
+
+def test_layer_rejects_bad_input(sharded, n):
+    cfg = layer_config(n)
+    L = cfg.experts_per_rank
+    x = jnp.zeros((T, H), jnp.float32)
+    ids = jnp.zeros((T, K), jnp.int32)
+    w = jnp.zeros((T, K), jnp.float32)
+    w_in = jnp.zeros((L, H, 2 * I), jnp.float32)
+    w_out = jnp.zeros((L, I, H), jnp.float32)
+
+    def call(**kw):
+        args = dict(x=x, w_in=w_in, w_out=w_out) | kw
+        x_, wi, wo = args.pop("x"), args.pop("w_in"), args.pop("w_out")
+        return ep_comm.moe_layer(x_, ids, w, cfg, w_in=wi, w_out=wo, **args)
+
+    def raises(message, **kw):
+        f = sharded.smap(lambda *_: call(**kw))
+        with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+            f(sharded.put(np.zeros((n * T, H), np.float32)))
+
+    raises(f"moe_layer: w_in must have shape (experts_per_rank = num_experts / num_ranks, hidden, "
+           f"2 * intermediate) = ({L}, {H}, {2 * I}), got ({L + 1}, {H}, {2 * I})",
+           w_in=jnp.zeros((L + 1, H, 2 * I), jnp.float32))
+    raises(f"moe_layer: w_in must have shape (experts_per_rank = num_experts / num_ranks, hidden, "
+           f"2 * intermediate) = ({L}, {H}, {2 * I}), got ({L}, {H + 1}, {2 * I})",
+           w_in=jnp.zeros((L, H + 1, 2 * I), jnp.float32))
+    raises("moe_layer: w_in must have shape (experts_per_rank, hidden, 2 * intermediate), "
+           f"got ({L}, {H}, 7)", w_in=jnp.zeros((L, H, 7), jnp.float32))
+    raises(f"moe_layer: w_out must have shape (experts_per_rank, intermediate, hidden) = "
+           f"({L}, {I}, {H}), got ({L}, {I}, {H - 1})", w_out=jnp.zeros((L, I, H - 1), jnp.float32))
+    raises("moe_layer: w_in must have x's dtype float32, got bfloat16",
+           w_in=w_in.astype(jnp.bfloat16))
+    raises("moe_layer: w_out must have x's dtype float32, got float16",
+           w_out=w_out.astype(jnp.float16))
+    raises("moe_layer: x must be a floating array of shape (tokens_per_rank, hidden), "
+           f"got int32 ({T}, {H})", x=x.astype(jnp.int32))
+    raises("moe_layer: pass the SwiGLU weights w_in and w_out, or experts=; got w_in=set, "
+           "w_out=None", w_out=None)
+    raises("moe_layer: pass either experts= or the SwiGLU weights w_in/w_out, not both",
+           experts=lambda ex, gs: ex)
+    raises("moe_layer: experts must return expert_y of shape (expert_rows, hidden) = "
+           f"({cfg.expert_rows}, {H}), got ({cfg.expert_rows}, {H + 1})", w_in=None, w_out=None,
+           experts=lambda ex, gs: jnp.zeros((ex.shape[0], H + 1), ex.dtype))
+    raises("moe_layer: the shared expert needs both shared_w_in and shared_w_out",
+           shared_w_in=jnp.zeros((H, 2 * I), jnp.float32))
+    raises(f"moe_layer: shared_w_out must have shape (intermediate, hidden) = ({I}, {H}), "
+           f"got ({I}, {H + 2})", shared_w_in=jnp.zeros((H, 2 * I), jnp.float32),
+           shared_w_out=jnp.zeros((I, H + 2), jnp.float32))
+    with pytest.raises(TypeError, match=re.escape(
+            "moe_layer: config must be an ep_comm.EPConfig, got dict")):
+        ep_comm.moe_layer(x, ids, w, {}, w_in=w_in, w_out=w_out)
