@@ -113,8 +113,10 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     kernel = _tokamax_kernel(None if config is None else tuple(sorted(config.items())))
 
     def tokamax(a, b, group_sizes, out_dtype):
+        # 16-bit inputs: every precision is the same product (explicit, so that a global
+        # jax_default_matmul_precision does not make the kernel decline)
         out = kernel(a, b, group_sizes=group_sizes, ragged_dot_dimension_numbers=dims,
-                     preferred_element_type=out_dtype)
+                     precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         # The drhs kernel masks rows outside a group by multiplying with 0, so the rows past the
         # groups it reads must be finite: they are, since the row passes zero them here.
         return out if pass_name == "drhs" else _zero_past_groups(out, group_sizes)
