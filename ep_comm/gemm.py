@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from topology.jax_compat import match_vma
+
 PASSES = ("forward", "dlhs", "drhs")
 IMPLEMENTATIONS = ("auto", "xla", "tokamax")
 
@@ -44,9 +46,11 @@ _RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
 
 # Tile configs of tokamax's Mosaic GPU kernels per pass, measured on one H200 (bf16, the DeepSeek-V3
 # EP8 per-rank shape; table and command in docs/bench/h200x1_layer/). None: tokamax's heuristics.
+_SM90_GEMM = dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1,
+                 persistent=False, grid_minor_dim=0, grid_tile_width=8)
 TOKAMAX_CONFIGS: dict[str, dict[str, Any] | None] = {
-    "forward": None,
-    "dlhs": None,
+    "forward": _SM90_GEMM,
+    "dlhs": _SM90_GEMM,
     "drhs": None,
 }
 
@@ -125,7 +129,8 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped(x, w, group_sizes, impls, out_dtype):
-    return pass_kernel("forward", impls[0])(x, w, group_sizes, out_dtype)
+    out = pass_kernel("forward", impls[0])(x, w, group_sizes, out_dtype)
+    return match_vma(match_vma(out, x), w)
 
 
 def _grouped_fwd(x, w, group_sizes, impls, out_dtype):
@@ -138,7 +143,7 @@ def _grouped_bwd(impls, out_dtype, res, dy):
     dx = pass_kernel("dlhs", impls[1])(dy, jnp.swapaxes(w, 1, 2), group_sizes, x.dtype)
     dw = pass_kernel("drhs", impls[2])(x, dy, group_sizes, w.dtype)
     gs_cot = np.zeros(group_sizes.shape, jax.dtypes.float0)
-    return dx, dw, gs_cot
+    return match_vma(dx, x), match_vma(dw, w), gs_cot
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

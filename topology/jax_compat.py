@@ -54,3 +54,11 @@ def module_state(module_context) -> dict:
     the calls of one module, such as the mpi transport's chain of exchanges)."""
     cache = module_context.cached_primitive_lowerings
     return cache.setdefault("ep_comm module state", {})
+
+
+def match_vma(x, like):
+    """``x`` marked varying over the manual mesh axes ``like`` varies over (``shard_map``'s
+    ``check_vma`` types), for values made by kernels that do not carry them (Pallas outputs)."""
+    missing = tuple(sorted(set(getattr(jax.typeof(like), "vma", ())) -
+                           set(getattr(jax.typeof(x), "vma", ()))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
