@@ -145,7 +145,7 @@ def _wrong(out, ref, dtype, k):
 
 
 def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
-                 xla_max_gib, profile):
+                 xla_max_gib, profile, with_xla=True):
     """moe_layer forward and forward+backward, next to the dense ceiling of the same FLOPs."""
     mesh = jax.make_mesh((jax.device_count(),), ("ep",),
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -191,6 +191,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
             jnp.float32) ** 2), argnums=(0, 1, 2)))
     t_dense_f = median_us(dense_fwd, (xd, wis, wos), warmup, iters)
     t_dense_b = median_us(dense_bwd, (xd, wis, wos), warmup, iters)
+    print(f"  dense ceiling: forward {t_dense_f:.1f} us, fwd+bwd {t_dense_b:.1f} us", flush=True)
 
     check = min(T, 64)  # rank 0's first tokens: a float64 reference on the host
     ref = _layer_reference(x[:check], ids[:check], w[:check], w_in, w_out, dtype)
@@ -200,7 +201,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                     tflops=3 * fwd_flops / t_dense_b / 1e6, x_dense=1.0)]
     gpu = jax.default_backend() == "gpu"
     variants = [(implementation, True)]
-    if gm.resolve(implementation, dtype) != "xla":
+    if with_xla and gm.resolve(implementation, dtype) != "xla":
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
@@ -228,6 +229,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                    x_dense=t_b / t_dense_b, temp_bytes=getattr(mem, "temp_size_in_bytes", None))
         if profile and impl == implementation:
             rep["trace"] = _profile_split(profile, bwd, (xs, ws, wis, wos, idss))
+        print(f"  {label} fwd+bwd: {t_b:.1f} us, {t_b / t_dense_b:.2f}x dense", flush=True)
         results.append(rep)
     return dict(kind="layer", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
                                           experts=E, topk=K, dtype=jnp.dtype(dtype).name),
@@ -329,6 +331,8 @@ def main(argv=None):
     ap.add_argument("--implementation", default="auto", help="grouped_matmul's, for the layer")
     ap.add_argument("--xla-max-gib", type=float, default=40.0,
                     help="skip lax.ragged_dot on GPU when its dense mask exceeds this")
+    ap.add_argument("--no-xla", action="store_true",
+                    help="leave lax.ragged_dot out of the layer comparison")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", default=None, help="trace the layer's fwd+bwd into this folder")
@@ -357,7 +361,7 @@ def main(argv=None):
         if "layer" in parts:
             yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
                                args.warmup, args.iters, args.implementation, args.xla_max_gib,
-                               args.profile)
+                               args.profile, with_xla=not args.no_xla)
     return emit(reports(), table, args.json)
 
 
