@@ -277,3 +277,71 @@ def test_layer_rejects_bad_input(sharded, n):
     with pytest.raises(TypeError, match=re.escape(
             "moe_layer: config must be an ep_comm.EPConfig, got dict")):
         ep_comm.moe_layer(x, ids, w, {}, w_in=w_in, w_out=w_out)
+
+
+# ---- the Flax NNX module -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_nnx_module_equals_dense_float64_with_gradients(n, rng, axis_type):
+    nnx = pytest.importorskip("flax.nnx", reason="the NNX module needs flax")
+    from ep_comm.nnx import MoE, route
+
+    if jax.process_count() > 1:
+        pytest.skip("the module's parameters are made on each process's own device")
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    m = MoE(H, I, 4 * n, K, mesh=mesh, shared_intermediate=I_SHARED,
+            rngs=nnx.Rngs(int(rng.integers(2**31))))
+    x = rng.standard_normal((2, 4 * n, H)).astype(np.float32)  # (batch, seq, hidden)
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+
+    @nnx.jit
+    def value_and_grads(m, x):
+        return m(x), nnx.grad(lambda m: jnp.sum(m(x) * cot))(m)
+
+    y, g = value_and_grads(m, x)
+    names = ("router", "w_in", "w_out", "shared_w_in", "shared_w_out")
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(np.asarray(a), jnp.float64)
+        params = {k: f64(getattr(m, k)[...]) for k in names}
+
+        def loss(p):
+            t = f64(x).reshape(-1, H)
+            ids, w = route(t, p["router"], K)
+            out = dense_swiglu_moe(t, ids, w, p["w_in"], p["w_out"], p["shared_w_in"],
+                                   p["shared_w_out"])
+            return jnp.sum(out * f64(cot).reshape(-1, H)), out
+        grads, want = jax.grad(loss, has_aux=True)(params)
+    assert y.shape == x.shape
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, H), want, rtol=2e-5, atol=2e-5)
+    for k in names:
+        r = np.asarray(grads[k])
+        np.testing.assert_allclose(np.asarray(getattr(g, k)[...]), r, rtol=2e-5,
+                                   atol=2e-5 * (1 + np.abs(r).max()), err_msg=k)
+
+
+def test_nnx_module_rejects_bad_input(n):
+    nnx = pytest.importorskip("flax.nnx", reason="the NNX module needs flax")
+    from ep_comm.nnx import MoE
+
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    rngs = nnx.Rngs(0)
+    with pytest.raises(ValueError, match=re.escape(
+            f"ep_comm.nnx.MoE: num_experts={4 * n + 1} must be divisible by the {n} devices of "
+            f"mesh axis 'ep'")):
+        MoE(H, I, 4 * n + 1, K, mesh=mesh, rngs=rngs)
+    with pytest.raises(ValueError, match=re.escape(
+            "ep_comm.nnx.MoE: mesh must be a jax.sharding.Mesh with axis 'experts'")):
+        MoE(H, I, 4 * n, K, mesh=mesh, axis_name="experts", rngs=rngs)
+    with pytest.raises(ValueError, match=re.escape(
+            "ep_comm.nnx.MoE: extra keyword arguments must be EPConfig fields other than "
+            "axis_name, num_ranks, num_experts, topk and tokens_per_rank; got ['capacity']")):
+        MoE(H, I, 4 * n, K, mesh=mesh, rngs=rngs, capacity=3)
+    m = MoE(H, I, 4 * n, K, mesh=mesh, rngs=rngs)
+    with pytest.raises(ValueError, match=re.escape(
+            f"ep_comm.nnx.MoE: x must have shape (..., hidden) = (..., {H}), got (4, {H + 1})")):
+        m(jnp.zeros((4, H + 1)))
+    if n > 1:
+        with pytest.raises(ValueError, match=re.escape(
+                f"ep_comm.nnx.MoE: the {n + 1} tokens of x must be divisible by the {n} devices "
+                f"of mesh axis 'ep'")):
+            m(jnp.zeros((n + 1, H)))
