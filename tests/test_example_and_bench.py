@@ -79,3 +79,31 @@ def test_bench_compares_flat_and_hierarchical(n):
         assert hier["predicted_us"] > 0 and flat["predicted_us"] > 0
     assert report["topology"] == f"2x{n // 2} (simulated)"
     assert "portable dispatch: hierarchical/flat time" in bench.table(report)
+
+
+def test_example_deepseek_preset_runs_shrunk(n, capsys):
+    """The GPU preset's code path (bf16 experts, step timing), at toy sizes."""
+    losses = moe_transformer.main(["--preset", "deepseek", "--dim", "32", "--heads", "2",
+                                   "--ffn", "16", "--seq", "8", "--num-experts", str(2 * n),
+                                   "--batch", str(n), "--steps", "3"])
+    assert len(losses) == 3 and all(abs(v) < float("inf") for v in losses)
+    out = capsys.readouterr().out
+    assert "experts in bfloat16" in out and "step time: median" in out
+
+
+def test_layer_bench_reports_every_pass_and_the_layer(n):
+    from ep_comm import layer_bench
+
+    reports = layer_bench.main(["--tokens", "16", "--hidden", "16", "--intermediate", "8",
+                                "--topk", "2", "--iters", "1", "--warmup", "1"])
+    gemm, layer = reports
+    passes = {(r["gemm"], r["pass_"], r["impl"]) for r in gemm["results"]}
+    for g in ("up", "down"):
+        for p in ("forward", "dlhs", "drhs"):
+            assert (g, p, "dense einsum") in passes and (g, p, "lax.ragged_dot") in passes
+    assert all(r["wrong"] == 0 for r in gemm["results"] if "wrong" in r)
+    rows = {(r["impl"].split(" (")[0], r["pass_"]): r for r in layer["results"]}
+    fwd = rows[("moe_layer grouped_matmul=auto", "forward")]
+    assert fwd["wrong"] == 0 and fwd["time_us"] > 0 and fwd["x_dense"] > 0
+    assert rows[("moe_layer grouped_matmul=auto", "fwd+bwd")]["time_us"] > 0
+    assert "moe_layer" in layer_bench.table(layer) and "x dense" in layer_bench.table(gemm)
