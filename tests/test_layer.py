@@ -345,3 +345,27 @@ def test_nnx_module_rejects_bad_input(n):
                 f"ep_comm.nnx.MoE: the {n + 1} tokens of x must be divisible by the {n} devices "
                 f"of mesh axis 'ep'")):
             m(jnp.zeros((n + 1, H)))
+
+
+def test_kernel_outputs_take_the_inputs_varying_axes(sharded, n):
+    """A kernel (Pallas) output carries no varying-axes type inside shard_map; a custom VJP that
+    returns one for a varying input fails JAX's check unless match_vma marks it (what gemm does
+    with tokamax's outputs)."""
+    from topology.jax_compat import match_vma
+
+    def grad_with(mark):
+        @jax.custom_vjp
+        def f(x):
+            return x
+
+        def bwd(x, g):
+            out = jnp.ones(g.shape, g.dtype)  # made without x: no varying axes, like a kernel's
+            return (match_vma(out, x) if mark else out),
+
+        f.defvjp(lambda x: (x, x), bwd)
+        return sharded.smap(jax.grad(lambda v: jnp.sum(f(v))))
+
+    x = sharded.put(np.zeros((2 * n, 3), np.float32))
+    np.testing.assert_array_equal(sharded.get(grad_with(True)(x)), 1.0)
+    with pytest.raises(ValueError, match="manual axis types do not match"):
+        grad_with(False)(x)

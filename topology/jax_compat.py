@@ -56,9 +56,16 @@ def module_state(module_context) -> dict:
     return cache.setdefault("ep_comm module state", {})
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (``check_vma`` types): the
+    aval's ``mat.varying`` (jax >= 0.10), ``vma`` before."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
 def match_vma(x, like):
-    """``x`` marked varying over the manual mesh axes ``like`` varies over (``shard_map``'s
-    ``check_vma`` types), for values made by kernels that do not carry them (Pallas outputs)."""
-    missing = tuple(sorted(set(getattr(jax.typeof(like), "vma", ())) -
-                           set(getattr(jax.typeof(x), "vma", ()))))
+    """``x`` marked varying over the manual mesh axes ``like`` varies over, for values made by
+    kernels that do not carry them (Pallas outputs)."""
+    missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
