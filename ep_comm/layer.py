@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from ep_comm.config import EPConfig
 from ep_comm.gemm import grouped_matmul
 from ep_comm.handle import EPHandle
-from ep_comm.moe import combine, dispatch
+from ep_comm.layout import check_topk_ids
+from ep_comm.moe import check_float, combine, dispatch
+from ep_comm.rounds import merge_repeats, run_rounds
 
 
 @jax.tree_util.register_dataclass
@@ -22,11 +24,14 @@ class MoEOutput:
 
     Attributes:
       y: ``(T, H)``, the layer's output (as ``moe_layer`` returns it alone).
-      handle: the :class:`EPHandle` of the layer's dispatch (group sizes, drops, traffic).
+      handle: the :class:`EPHandle` of the layer's dispatch (group sizes, drops, traffic) when it
+        ran in one round (``config.recv_capacity`` at the worst case); ``None`` with rounds.
+      rounds: ``(1,)`` int32; rounds the layer took (1 at the worst-case capacity).
     """
 
     y: jax.Array
-    handle: EPHandle
+    handle: EPHandle | None
+    rounds: jax.Array
 
 
 def swiglu(u, intermediate: int):
@@ -105,7 +110,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                       f"(experts_per_rank = num_experts / num_ranks, hidden, 2 * intermediate)")
         _check_weight(api, "w_out", w_out, (L, inter, H), x.dtype,
                       "(experts_per_rank, intermediate, hidden)")
-        run_experts = lambda ex, gs: swiglu_experts(ex, gs, w_in, w_out, implementation)
+        params = (w_in, w_out)
+        run_experts = lambda ex, gs, p: swiglu_experts(ex, gs, *p, implementation)
     else:
         if w_in is not None or w_out is not None:
             raise ValueError(f"{api}: pass either experts= or the SwiGLU weights w_in/w_out, "
@@ -113,7 +119,12 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         if not callable(experts):
             raise TypeError(f"{api}: experts must be a function (expert_x, group_sizes) -> "
                             f"expert_y, got {type(experts).__name__}")
-        run_experts = experts
+        # the experts' closed-over arrays become explicit parameters (rounds differentiate them)
+        L_rows = config.expert_rows
+        converted, params = jax.closure_convert(
+            experts, jax.ShapeDtypeStruct((L_rows, H), x.dtype),
+            jax.ShapeDtypeStruct((L,), jnp.int32))
+        run_experts = lambda ex, gs, p: converted(ex, gs, *p)
     shared = (shared_w_in is not None, shared_w_out is not None)
     if any(shared) and not all(shared):
         raise ValueError(f"{api}: the shared expert needs both shared_w_in and shared_w_out")
@@ -128,15 +139,28 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         _check_weight(api, "shared_w_out", shared_w_out, (s_inter, H), x.dtype,
                       "(intermediate, hidden)")
 
-    expert_x, handle = dispatch(x, topk_ids, topk_weights, config)
-    expert_y = run_experts(expert_x, handle.group_sizes)
-    if tuple(getattr(expert_y, "shape", ())) != tuple(expert_x.shape):
-        raise ValueError(f"{api}: experts must return expert_y of shape (expert_rows, hidden) = "
-                         f"{tuple(expert_x.shape)}, got {tuple(getattr(expert_y, 'shape', ()))}")
-    y = combine(expert_y, handle)
+    def layer_once(x, ids, weights, params):
+        expert_x, handle = dispatch(x, ids, weights, config)
+        expert_y = run_experts(expert_x, handle.group_sizes, params)
+        if tuple(getattr(expert_y, "shape", ())) != tuple(expert_x.shape):
+            raise ValueError(f"{api}: experts must return expert_y of shape (expert_rows, hidden) "
+                             f"= {tuple(expert_x.shape)}, got "
+                             f"{tuple(getattr(expert_y, 'shape', ()))}")
+        return combine(expert_y, handle), handle
+
+    if config.is_dropless:  # one round holds every pair any routing can send
+        y, handle = layer_once(x, topk_ids, topk_weights, params)
+        rounds = jnp.ones((1,), jnp.int32)
+    else:  # rounds of at most config.expert_rows pairs per rank until every pair is served
+        topk_ids = check_topk_ids(api, topk_ids, config.tokens_per_rank, config.topk)
+        topk_weights = jnp.asarray(topk_weights)
+        check_float(api, "topk_weights", topk_weights, topk_ids.shape)
+        ids, weights = merge_repeats(topk_ids, topk_weights)
+        y, rounds = run_rounds(lambda *a: layer_once(*a)[0], x, ids, weights, params, config)
+        handle, rounds = None, rounds[None]
     if all(shared):
         u = jnp.dot(x, shared_w_in, preferred_element_type=jnp.float32).astype(x.dtype)
         y = (y.astype(jnp.float32) + jnp.dot(swiglu(u, s_inter), shared_w_out,
                                              preferred_element_type=jnp.float32)).astype(x.dtype)
     y = y.astype(x.dtype)
-    return MoEOutput(y, handle) if return_handle else y
+    return MoEOutput(y, handle, rounds) if return_handle else y

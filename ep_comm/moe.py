@@ -38,7 +38,7 @@ from ep_comm.routes import exchange, exclusive_cumsum, flat_route, hierarchical_
 from topology.jax_compat import axis_size
 
 
-def _check_float(api: str, name: str, a, shape) -> None:
+def check_float(api: str, name: str, a, shape) -> None:
     if not jnp.issubdtype(a.dtype, jnp.floating) or tuple(a.shape) != tuple(shape):
         raise ValueError(f"{api}: {name} must be a floating array of shape {tuple(shape)}, "
                          f"got {a.dtype} {tuple(a.shape)}")
@@ -81,7 +81,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
                          f"({T}, hidden), got {x.dtype} {tuple(x.shape)}")
     topk_ids = check_topk_ids(api, topk_ids, T, K)
     topk_weights = jnp.asarray(topk_weights)
-    _check_float(api, "topk_weights", topk_weights, (T, K))
+    check_float(api, "topk_weights", topk_weights, (T, K))
     plan = plans.resolve(cfg, x.shape[1], x.dtype, api)
     R = cfg.recv_token_rows
     i32 = jnp.int32

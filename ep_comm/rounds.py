@@ -1,0 +1,144 @@
+"""Dropless rounds: the MoE layer in bounded memory.
+
+With ``config.recv_capacity`` below the worst case, one dispatch cannot take every (token, expert)
+pair a rank may receive. :func:`run_rounds` then runs the layer in rounds: each round every rank
+receives at most ``C = config.expert_rows`` pairs, the pairs that did not fit wait for the next
+round, and the rounds go on until every pair was served exactly once. Nothing is dropped, and
+memory is that of one round.
+
+The schedule is decided from one ``all_gather`` of the ``(n, n)`` matrix of pairs each rank sends
+each rank, so every rank computes the same schedule and runs the same number of rounds: in each
+round, destination ``d`` takes its remaining pairs from sources in rank order up to ``C``
+(``quota[s, d] = clip(C - sum_{s' < s} remaining[s', d], 0, remaining[s, d])``), and source ``s``
+sends to ``d`` its next ``quota[s, d]`` pairs in (token, k) order. Every round serves
+``min(C, remaining)`` pairs at every destination, so the rounds number exactly
+``ceil(max_d load_d / C)``. Pairs that list an expert twice are merged first (weights added), as
+dispatch does.
+
+Differentiation: the forward pass is a ``lax.while_loop`` over rounds; the backward pass (a custom
+VJP) runs the same rounds again, each round's forward recomputed and its VJP taken, so it also holds
+one round at a time (the price: one more forward pass in training).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ep_comm.config import EPConfig
+from ep_comm.layout import repeats_earlier
+from ep_comm.routes import exclusive_cumsum
+from topology.jax_compat import match_vma
+
+
+def merge_repeats(ids, weights):
+    """Ids with each repeat of an earlier expert of the same token set to -1, and that expert's
+    weight the sum over its repeats (``dispatch``'s semantics for a repeated expert)."""
+    ids = ids.astype(jnp.int32)
+    same = ids[:, :, None] == ids[:, None, :]
+    repeat = repeats_earlier(ids)
+    merged = jnp.einsum("tkj,tj->tk", (same & ~repeat[:, :, None]).astype(weights.dtype), weights)
+    return jnp.where(repeat, -1, ids), jnp.where(repeat, jnp.zeros((), weights.dtype), merged)
+
+
+def _pair_positions(ids, cfg: EPConfig):
+    """Per (token, k): destination rank (``n`` if none), and the pair's position among this rank's
+    pairs to that destination in (token, k) order; and the ``(n,)`` pair counts."""
+    n, E = cfg.num_ranks, cfg.num_experts
+    valid = (ids >= 0) & (ids < E)
+    dest = jnp.where(valid, cfg.placement.rank_of(ids), n)
+    onehot = (dest.reshape(-1)[:, None] == jnp.arange(n, dtype=jnp.int32)).astype(jnp.int32)
+    pos = jnp.cumsum(onehot, axis=0) - onehot  # (T*K, n): pairs to d before this one
+    pos = jnp.take_along_axis(pos, jnp.minimum(dest.reshape(-1), n - 1)[:, None], axis=1)
+    return dest, pos.reshape(ids.shape), jnp.sum(onehot, axis=0)
+
+
+def _quota(remaining, capacity):
+    """``(n, n)``: pairs source ``s`` sends destination ``d`` this round."""
+    return jnp.clip(capacity - exclusive_cumsum(remaining, axis=0), 0, remaining)
+
+
+def _schedule(ids, cfg: EPConfig):
+    dest, pos, mine = _pair_positions(ids, cfg)
+    counts = lax.all_gather(mine, cfg.axis_name)  # (n, n): [s, d] pairs s -> d
+    me = lax.axis_index(cfg.axis_name)
+    return dest, pos, counts, me
+
+
+def _round_ids(ids, dest, pos, served, quota_me, n):
+    """This round's ids: the pairs at positions [served[d], served[d] + quota[d]) of each
+    destination ``d``; the others -1."""
+    d = jnp.minimum(dest, n - 1)
+    lo = jnp.take(served, d)
+    take = (dest < n) & (pos >= lo) & (pos < lo + jnp.take(quota_me, d))
+    return jnp.where(take, ids, -1)
+
+
+def run_rounds(one_round, x, ids, weights, params, cfg: EPConfig):
+    """``sum over rounds of one_round(x, round_ids, weights, params)`` (each a ``(T, H)`` layer
+    output over that round's pairs), and the number of rounds. ``ids``/``weights`` must have
+    repeats merged (:func:`merge_repeats`); ``params`` is a pytree of arrays (differentiable, like
+    ``x`` and ``weights``); ``one_round`` may not close over traced values."""
+    return _rounds(one_round, cfg, x, ids, weights, params)
+
+
+def _zeros_like(a, like, dtype=None):
+    return match_vma(jnp.zeros(a.shape, dtype or a.dtype), like)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rounds(one_round, cfg, x, ids, weights, params):
+    return _forward(one_round, cfg, x, ids, weights, params)
+
+
+def _forward(one_round, cfg, x, ids, weights, params):
+    n, C = cfg.num_ranks, cfg.expert_rows
+    dest, pos, counts, me = _schedule(ids, cfg)
+
+    def body(state):
+        r, remaining, served, y = state
+        quota = _quota(remaining, C)
+        round_ids = _round_ids(ids, dest, pos, served, quota[me], n)
+        y = y + one_round(x, round_ids, weights, params).astype(jnp.float32)
+        return r + 1, remaining - quota, served + quota[me], y
+
+    init = (jnp.zeros((), jnp.int32), counts, jnp.zeros((n,), jnp.int32),
+            _zeros_like(x, x, jnp.float32))
+    init = (init[0], init[1], match_vma(init[2], counts), init[3])
+    r, _, _, y = lax.while_loop(lambda s: jnp.sum(s[1]) > 0, body, init)
+    return y.astype(x.dtype), r
+
+
+def _rounds_fwd(one_round, cfg, x, ids, weights, params):
+    return _forward(one_round, cfg, x, ids, weights, params), (x, ids, weights, params)
+
+
+def _rounds_bwd(one_round, cfg, res, cts):
+    x, ids, weights, params = res
+    g = cts[0]
+    n, C = cfg.num_ranks, cfg.expert_rows
+    dest, pos, counts, me = _schedule(ids, cfg)
+
+    def body(state):
+        remaining, served, grads = state
+        quota = _quota(remaining, C)
+        round_ids = _round_ids(ids, dest, pos, served, quota[me], n)
+        _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, weights, params)
+        step = vjp(g.astype(x.dtype))
+        grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, step)
+        return remaining - quota, served + quota[me], grads
+
+    zeros = jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, weights, params))
+    init = (counts, match_vma(jnp.zeros((n,), jnp.int32), counts), zeros)
+    _, _, grads = lax.while_loop(lambda s: jnp.sum(s[0]) > 0, body, init)
+    dx, dw, dp = jax.tree.map(lambda gr, a: match_vma(gr.astype(a.dtype), a), grads,
+                              (x, weights, params))
+    ids_ct = np.zeros(ids.shape, jax.dtypes.float0)
+    return dx, ids_ct, dw, dp
+
+
+_rounds.defvjp(_rounds_fwd, _rounds_bwd)

@@ -1,0 +1,141 @@
+"""moe_layer in dropless rounds (recv_capacity below the worst case): every pair served exactly
+once, the same results and gradients as the single worst-case round, rounds = ceil(max load / C)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, seed, settings, strategies as st
+
+import ep_comm
+from conftest import BASE_SEED
+from moe_reference import routing
+
+T, K, H, I = 8, 3, 4, 5
+SETTINGS = settings(max_examples=12, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+def config(n, capacity):
+    return ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T,
+                            recv_capacity=capacity)
+
+
+def max_load(ids, n, E):
+    """Most distinct (token, expert) pairs any rank must serve."""
+    L = E // n
+    load = np.zeros(n, np.int64)
+    for row in ids:
+        for e in {int(e) for e in row if 0 <= e < E}:
+            load[e // L] += 1
+    return int(load.max())
+
+
+@functools.lru_cache(maxsize=None)
+def identity_layer(sharded, cfg):
+    """Identity experts: y[t] = sum of the weights of t's served pairs times x[t]."""
+    def f(x, ids, w):
+        out = ep_comm.moe_layer(x, ids, w, cfg, experts=lambda ex, gs: ex, return_handle=True)
+        return out.y, out.rounds
+    return sharded.smap(f)
+
+
+def routings(n):
+    """Skewed, hot-expert, empty-rank and masked routings, as hypothesis draws them."""
+    E = 4 * n
+    L = 4
+
+    def make(args):
+        kind, hot, mask_p, bits = args
+        rng = np.random.default_rng(bits)
+        if kind == "skewed":
+            p = 1.0 / (np.arange(E) + 1.0) ** 1.5
+            ids = rng.choice(E, (n * T, K), p=p / p.sum())
+        elif kind == "hot":  # every token to expert `hot` (and repeats of it)
+            ids = np.full((n * T, K), hot % E)
+        elif kind == "empty_ranks":  # only the first rank's experts
+            ids = rng.integers(0, L, (n * T, K))
+        else:
+            ids = rng.integers(0, E, (n * T, K))
+        ids[rng.random(ids.shape) < mask_p] = -1
+        return ids.astype(np.int32)
+
+    return st.tuples(st.sampled_from(["uniform", "skewed", "hot", "empty_ranks"]),
+                     st.integers(0, 10**6), st.sampled_from([0.0, 0.3]),
+                     st.integers(0, 2**31)).map(make)
+
+
+@pytest.mark.multiprocess
+@seed(BASE_SEED)
+@SETTINGS
+@given(data=st.data())
+def test_every_pair_served_once_in_at_most_ceil_load_over_capacity_rounds(sharded, n, data):
+    ids = data.draw(routings(n))
+    capacity = data.draw(st.sampled_from([1, 3, T * K, 2 * T * K]))
+    cfg = config(n, capacity)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    w = rng.uniform(0.1, 1.0, (n * T, K)).astype(np.float32)
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    y, rounds = sharded.get(identity_layer(sharded, cfg)(*sharded.put(x, ids, w)))
+    # a pair served twice or never would change y by w * x: weights are at least 0.1
+    want = np.sum(np.where(ids >= 0, w, 0.0), axis=1, keepdims=True) * x.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    load = max_load(ids, n, 4 * n)
+    assert np.all(rounds == max(1, math.ceil(load / capacity))) if not cfg.is_dropless \
+        else np.all(rounds == 1)
+
+
+@functools.lru_cache(maxsize=None)
+def swiglu_layer_and_grads(sharded, cfg):
+    def f(x, ids, w, w_in, w_out, cot):
+        def loss(x, w, w_in, w_out):
+            y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out)
+            return jax.lax.psum(jnp.sum(y * cot), "ep")
+        out = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out, return_handle=True)
+        return (out.y, out.rounds) + jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, w_in, w_out)
+    return sharded.smap(f)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "one_rank", "empty_ranks"])
+@pytest.mark.parametrize("capacity", [1, 2 * T * K])
+def test_rounds_equal_the_worst_case_round_with_gradients(sharded, n, rng, kind, capacity):
+    E = 4 * n
+    ids = routing(rng, kind, n, T, K, E)
+    ids[0, 1] = ids[0, 0]  # a repeated expert: merged into one pair
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    w = rng.random((n * T, K)).astype(np.float32)
+    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    cot = rng.standard_normal((n * T, H)).astype(np.float32)
+    args = sharded.put(x, ids, w, w_in, w_out, cot)
+    worst = sharded.get(swiglu_layer_and_grads(sharded, config(n, None))(*args))
+    got = sharded.get(swiglu_layer_and_grads(sharded, config(n, capacity))(*args))
+    assert np.all(worst[1] == 1)
+    bounded = config(n, capacity)
+    want_rounds = 1 if bounded.is_dropless else max(1, math.ceil(max_load(ids, n, E) / capacity))
+    assert np.all(got[1] == want_rounds), (got[1], want_rounds)
+    for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out"),
+                          got[:1] + got[2:], worst[:1] + worst[2:]):
+        # the rounds add a token's experts in another order: float32 reassociation
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+
+
+def test_rounds_bad_input(sharded, n):
+    cfg = config(n, 3)
+    with pytest.raises(ValueError, match="moe_layer: topk_weights must be a floating array of "
+                                         r"shape \(8, 3\), got int32 \(8, 3\)"):
+        sharded.smap(lambda x, ids, w: ep_comm.moe_layer(
+            x, ids, w.astype(jnp.int32), cfg, experts=lambda ex, gs: ex))(
+                *sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
+                             np.zeros((n * T, K), np.float32)))
+    with pytest.raises(ValueError, match="EPConfig: recv_capacity must be a positive int, "
+                                         "got 0"):
+        config(n, 0)
