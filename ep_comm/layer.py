@@ -15,6 +15,7 @@ from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids
 from ep_comm.moe import check_float, combine, dispatch
 from ep_comm.rounds import merge_repeats, run_rounds
+from topology.jax_compat import match_vma
 
 
 @jax.tree_util.register_dataclass
@@ -119,12 +120,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         if not callable(experts):
             raise TypeError(f"{api}: experts must be a function (expert_x, group_sizes) -> "
                             f"expert_y, got {type(experts).__name__}")
-        # the experts' closed-over arrays become explicit parameters (rounds differentiate them)
-        L_rows = config.expert_rows
-        converted, params = jax.closure_convert(
-            experts, jax.ShapeDtypeStruct((L_rows, H), x.dtype),
-            jax.ShapeDtypeStruct((L,), jnp.int32))
-        run_experts = lambda ex, gs, p: converted(ex, gs, *p)
+        params = ()
+        run_experts = lambda ex, gs, p: experts(ex, gs)
     shared = (shared_w_in is not None, shared_w_out is not None)
     if any(shared) and not all(shared):
         raise ValueError(f"{api}: the shared expert needs both shared_w_in and shared_w_out")
@@ -156,6 +153,13 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         topk_weights = jnp.asarray(topk_weights)
         check_float(api, "topk_weights", topk_weights, topk_ids.shape)
         ids, weights = merge_repeats(topk_ids, topk_weights)
+        if experts is not None:
+            # the experts' closed-over arrays become explicit parameters: the rounds' VJP
+            # differentiates them (examples typed like expert_x and group_sizes: varying as x)
+            converted, params = jax.closure_convert(
+                experts, match_vma(jnp.zeros((config.expert_rows, H), x.dtype), x),
+                match_vma(jnp.zeros((L,), jnp.int32), x))
+            run_experts = lambda ex, gs, p: converted(ex, gs, *p)
         y, rounds = run_rounds(lambda *a: layer_once(*a)[0], x, ids, weights, params, config)
         handle, rounds = None, rounds[None]
     if all(shared):

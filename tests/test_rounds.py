@@ -139,3 +139,24 @@ def test_rounds_bad_input(sharded, n):
     with pytest.raises(ValueError, match="EPConfig: recv_capacity must be a positive int, "
                                          "got 0"):
         config(n, 0)
+
+
+@pytest.mark.multiprocess
+def test_rounds_differentiate_arrays_the_user_experts_close_over(sharded, n, rng):
+    E = 4 * n
+    ids = routing(rng, "random", n, T, K, E)
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    w = rng.random((n * T, K)).astype(np.float32)
+    W = (rng.standard_normal((E, H, H)) / np.sqrt(H)).astype(np.float32)
+
+    def grads(cfg):
+        def f(x, ids, w, W_local):
+            def loss(x, w, W_local):
+                y = ep_comm.moe_layer(x, ids, w, cfg, experts=lambda ex, gs: jnp.tanh(
+                    ep_comm.grouped_matmul(ex, W_local, gs)))
+                return jax.lax.psum(jnp.sum(y ** 2), "ep")
+            return jax.grad(loss, argnums=(0, 1, 2))(x, w, W_local)
+        return sharded.get(sharded.smap(f)(*sharded.put(x, ids, w, W)))
+
+    for g, r in zip(grads(config(n, 5)), grads(config(n, None))):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()))
