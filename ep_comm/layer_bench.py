@@ -237,6 +237,70 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                 tokamax_configs=dict(gm.TOKAMAX_CONFIGS))
 
 
+def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, factor: float):
+    """The layer at the worst-case capacity (one round) against rounds of ``factor`` times the
+    balanced rows per rank, for uniform, Zipf-0.8 and one-hot-expert routing."""
+    from ep_comm.bench import make_routing
+
+    mesh = jax.make_mesh((jax.device_count(),), ("ep",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    n = mesh.shape["ep"]
+    T, H, I, E, K = tokens, hidden, inter, experts, topk
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((n * T, H)) * 0.5).astype(dtype)
+    w = rng.random((n * T, K)).astype(np.float32)
+    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(dtype)
+    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(dtype)
+    put = lambda a: ep_comm.distributed.global_array(a, NamedSharding(mesh, P("ep")))
+    balanced = T * K
+    capacity = max(1, int(factor * balanced))
+    results = []
+    for routing in ("uniform", "zipf-0.8", "one hot expert"):
+        if routing == "one hot expert":  # every token's first choice is expert 0
+            ids = make_routing(rng, "uniform", n * T, K, E)
+            hot = ids == 0
+            ids[hot] = ids[:, :1].repeat(K, 1)[hot]
+            ids[:, 0] = 0
+        else:
+            ids = make_routing(rng, "uniform" if routing == "uniform" else "skewed", n * T, K, E)
+        args = tuple(map(put, (x, ids, w, w_in, w_out)))
+        outs = {}
+        for cap in (None, capacity):
+            cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
+                                   recv_capacity=cap)
+
+            def f(x, ids, w, wi, wo, cfg=cfg):
+                out = ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, return_handle=True)
+                return out.y, out.rounds
+            fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+            y, rounds = fwd(*args)
+            t = median_us(fwd, args, warmup, iters)
+            mem = fwd.lower(*args).compile().memory_analysis()
+            outs[cap] = ep_comm.distributed.to_host(y).astype(np.float64)
+            results.append(dict(routing=routing, capacity=cfg.expert_rows,
+                                x_balanced=cfg.expert_rows / balanced,
+                                rounds=int(ep_comm.distributed.to_host(rounds).max()),
+                                time_us=t, temp_bytes=getattr(mem, "temp_size_in_bytes", None),
+                                max_load=int(_max_load(ids, n, E)), dropped=0))
+        ref = outs[None]
+        eps = float(jnp.finfo(dtype).eps)
+        results[-1]["wrong_vs_one_round"] = int(np.sum(
+            np.abs(outs[capacity] - ref) > 8 * eps * (1 + np.abs(ref))))
+        results[-1]["x_one_round_time"] = results[-1]["time_us"] / results[-2]["time_us"]
+    return dict(kind="rounds", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
+                                           experts=E, topk=K, dtype=jnp.dtype(dtype).name,
+                                           factor=factor),
+                ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results)
+
+
+def _max_load(ids, n, E):
+    L = E // n
+    distinct = np.sort(ids, axis=1)
+    distinct = np.where(np.diff(distinct, axis=1, prepend=-2) != 0, distinct, -1)
+    ranks = np.where(distinct >= 0, distinct // L, n)
+    return np.bincount(ranks.reshape(-1), minlength=n + 1)[:n].max()
+
+
 def _layer_reference(x, ids, w, w_in, w_out, dtype):
     """Rank 0's output in float64 from the dtype-rounded inputs."""
     r = lambda a: np.asarray(jnp.asarray(a, dtype), np.float64)
@@ -280,6 +344,23 @@ def _profile_split(folder, fn, args):
 
 def table(rep) -> str:
     head = f"# {rep['hardware']}\n# median of {rep['iters']} after {rep['warmup']} warm-up\n"
+    if rep["kind"] == "rounds":
+        c = rep["config"]
+        lines = [head + f"# moe_layer in rounds: {rep['ranks']} rank(s), {c['tokens_per_rank']} "
+                 f"tokens/rank, top-{c['topk']} of {c['experts']}, H={c['hidden']}, I="
+                 f"{c['intermediate']}, {c['dtype']}; capacity = expert rows per rank per round "
+                 f"(x balanced = / T*topk); max load = most pairs one rank must serve",
+                 f"{'routing':<16}{'capacity':>9}{'x bal':>7}{'max load':>9}{'rounds':>7}"
+                 f"{'time(us)':>11}{'x 1 round':>10}{'temp':>11}{'dropped':>8}{'#wrong':>8}"]
+        for r in rep["results"]:
+            temp = f"{r['temp_bytes'] / 2**20:>9.2f}MB" if r.get("temp_bytes") is not None \
+                else f"{'-':>11}"
+            ratio = f"{r['x_one_round_time']:>10.2f}" if "x_one_round_time" in r else f"{'-':>10}"
+            wrong = f"{r['wrong_vs_one_round']:>8d}" if "wrong_vs_one_round" in r else f"{'-':>8}"
+            lines.append(f"{r['routing']:<16}{r['capacity']:>9d}{r['x_balanced']:>7.2f}"
+                         f"{r['max_load']:>9d}{r['rounds']:>7d}{r['time_us']:>11.1f}{ratio}"
+                         f"{temp}{r['dropped']:>8d}{wrong}")
+        return "\n".join(lines)
     if rep["kind"] == "gemm":
         c = rep["config"]
         lines = [head + f"# grouped GEMM passes: {c['rows']} rows in {c['groups']} equal groups, "
@@ -325,7 +406,10 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=None, help="default: 4 per rank")
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
-    ap.add_argument("--parts", default="gemm,layer")
+    ap.add_argument("--parts", default="gemm,layer",
+                    help="comma-separated: gemm, layer, rounds")
+    ap.add_argument("--rounds-factor", type=float, default=2.0,
+                    help="rounds: capacity per round in balanced rows (T * topk) per rank")
     ap.add_argument("--tune", action="store_true",
                     help="run the layer with the fastest tokamax config per pass of the sweep")
     ap.add_argument("--implementation", default="auto", help="grouped_matmul's, for the layer")
@@ -358,6 +442,9 @@ def main(argv=None):
                                                 dtype=dtype.name),
                        hardware=hardware(), warmup=args.warmup, iters=args.iters, results=res,
                        best=best)
+        if "rounds" in parts:
+            yield rounds_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
+                                args.warmup, args.iters, args.rounds_factor)
         if "layer" in parts:
             yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
                                args.warmup, args.iters, args.implementation, args.xla_max_gib,

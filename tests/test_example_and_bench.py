@@ -107,3 +107,21 @@ def test_layer_bench_reports_every_pass_and_the_layer(n):
     assert fwd["wrong"] == 0 and fwd["time_us"] > 0 and fwd["x_dense"] > 0
     assert rows[("moe_layer grouped_matmul=auto", "fwd+bwd")]["time_us"] > 0
     assert "moe_layer" in layer_bench.table(layer) and "x dense" in layer_bench.table(gemm)
+
+
+def test_layer_bench_rounds_bound_the_buffer_and_drop_nothing(n):
+    from ep_comm import layer_bench
+
+    (rep,) = layer_bench.main(["--parts", "rounds", "--tokens", "8", "--hidden", "8",
+                               "--intermediate", "4", "--topk", "2", "--experts", str(4 * n),
+                               "--iters", "1", "--warmup", "0", "--rounds-factor", "1"])
+    by = {}
+    for r in rep["results"]:
+        by.setdefault(r["routing"], []).append(r)
+    for routing, (one, bounded) in by.items():
+        assert one["rounds"] == 1 and bounded["dropped"] == 0, routing
+        assert bounded["capacity"] == 8 * 2 and bounded["wrong_vs_one_round"] == 0, routing
+        assert bounded["rounds"] == max(1, -(-bounded["max_load"] // bounded["capacity"]))
+    hot = by["one hot expert"][1]  # every token of every rank needs expert 0
+    assert hot["max_load"] >= 8 * n and hot["rounds"] >= -(-8 * n // hot["capacity"])
+    assert "rounds" in layer_bench.table(rep)
