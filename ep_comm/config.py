@@ -34,7 +34,8 @@ class EPConfig:
         ``num_ranks * tokens_per_rank * min(topk, E_local)``, so no pair can ever be dropped.
         A smaller value saves memory; pairs that do not fit are dropped, **counted** in
         ``EPHandle.num_dropped`` and reported by :func:`ep_comm.check` (or raised at run time with
-        ``overflow="raise"``).
+        ``overflow="raise"``). :func:`ep_comm.moe_layer` drops nothing at any capacity: it runs
+        in rounds of at most ``recv_capacity`` pairs per rank (:mod:`ep_comm.rounds`).
       backend: transport for the exchanges: ``"auto"``, ``"portable"``, ``"xla"``, ``"nccl"`` or
         ``"mpi"`` (see :func:`ep_comm.ragged_all_to_all` and :mod:`collectives`).
       overflow: ``"count"`` (default: overflow is counted in the handle; call

@@ -64,7 +64,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
               experts: Callable | None = None, shared_w_in=None, shared_w_out=None,
               implementation="auto", return_handle: bool = False):
     """The expert-parallel MoE FFN of one rank: ``y[t] = sum_k w[t,k] * expert_{id[t,k]}(x[t])``
-    (plus the shared expert's output when given). Dropless with the default ``config``.
+    (plus the shared expert's output when given). Dropless at any ``config.recv_capacity``: below
+    the worst case it runs in rounds of at most that many pairs per rank (:mod:`ep_comm.rounds`).
 
     Call inside ``jax.shard_map`` over ``config.axis_name``; expert weights are sharded over that
     axis (this rank holds experts ``[r * E_local, (r + 1) * E_local)``, ``E_local =

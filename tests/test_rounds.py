@@ -17,7 +17,7 @@ from conftest import BASE_SEED
 from moe_reference import routing
 
 T, K, H, I = 8, 3, 4, 5
-SETTINGS = settings(max_examples=12, deadline=None, database=None,
+SETTINGS = settings(max_examples=10, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 
@@ -102,9 +102,11 @@ def swiglu_layer_and_grads(sharded, cfg):
     return sharded.smap(f)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "one_rank", "empty_ranks"])
-@pytest.mark.parametrize("capacity", [1, 2 * T * K])
+@pytest.mark.parametrize("kind,capacity", [
+    # under mpirun (scripts/run.sh test) two of them: the cross-process paths are the same
+    pytest.param("random", 1, marks=pytest.mark.multiprocess), ("random", 2 * T * K),
+    ("skewed", 1), pytest.param("skewed", 2 * T * K, marks=pytest.mark.multiprocess),
+    ("one_expert", 1), ("one_expert", 2 * T * K), ("one_rank", 3), ("empty_ranks", 2 * T * K)])
 def test_rounds_equal_the_worst_case_round_with_gradients(sharded, n, rng, kind, capacity):
     E = 4 * n
     ids = routing(rng, kind, n, T, K, E)
