@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
-import gzip
 import json
 import os
 
@@ -31,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
 from collectives import bootstrap, native
-from collectives.timing import emit, hardware, median_us
+from collectives.timing import emit, hardware, median_us, trace_kernels
 from topology.processes import global_array, initialize, to_host
 
 AXIS = "ep"
@@ -181,17 +179,9 @@ def _overlap(smap, put, args, backend, hidden, dt, n, warmup, iters, profile):
 
 def _trace_summary(folder):
     """GPU kernels per stream in the trace, and the time exchange kernels overlapped a matmul."""
-    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))
-    if not files:
+    kernels = trace_kernels(folder)
+    if kernels is None:
         return {"error": f"no *.trace.json.gz under {folder}"}
-    with gzip.open(files[-1]) as f:
-        events = json.load(f).get("traceEvents", [])
-    names = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            names[(e["pid"], e["tid"])] = e["args"]["name"]
-    kernels = [e for e in events if e.get("ph") == "X" and "Stream" in names.get(
-        (e.get("pid"), e.get("tid")), "")]
     is_comm = lambda k: any(s in k["name"] for s in ("self_copy", "nccl", "pack_kernel",
                                                       "publish_kernel"))
     is_mm = lambda k: any(s in k["name"].lower() for s in ("gemm", "nvjet", "cutlass", "matmul",
@@ -201,9 +191,9 @@ def _trace_summary(folder):
     both = sum(max(0.0, min(c1, m1) - max(c0, m0)) for c0, c1 in comm for m0, m1 in mms)
     streams = {}
     for k in kernels:
-        s = names[(k["pid"], k["tid"])]
-        streams.setdefault(s, set()).add(k["name"][:60])
-    return dict(file=os.path.relpath(files[-1], folder), exchange_kernel_us=sum(b - a for a, b in comm),
+        streams.setdefault(k["stream"], set()).add(k["name"][:60])
+    return dict(file=kernels[0]["file"] if kernels else "",
+                exchange_kernel_us=sum(b - a for a, b in comm),
                 matmul_kernel_us=sum(b - a for a, b in mms), overlapped_us=both,
                 streams={s: sorted(v)[:6] for s, v in streams.items()})
 

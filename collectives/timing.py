@@ -3,7 +3,10 @@ a warm-up, the hardware line every report carries, and printing/saving reports."
 
 from __future__ import annotations
 
+import glob
+import gzip
 import json
+import os
 import platform
 import time
 
@@ -49,3 +52,20 @@ def emit(reports, table_fn, json_path=None) -> list:
         with open(json_path, "w") as f:
             json.dump(done, f, indent=1)
     return done
+
+
+def trace_kernels(folder):
+    """The GPU kernels of the newest JAX profiler trace under ``folder``: a list of dicts with
+    ``name``, ``ts``, ``dur`` (us) and ``stream`` (the trace's thread name), or ``None`` when there
+    is no trace there."""
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        return None
+    with gzip.open(files[-1]) as f:
+        events = json.load(f).get("traceEvents", [])
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return [dict(name=e["name"], ts=e["ts"], dur=e["dur"], stream=names[(e["pid"], e["tid"])],
+                 file=os.path.relpath(files[-1], folder))
+            for e in events if e.get("ph") == "X"
+            and "Stream" in names.get((e.get("pid"), e.get("tid")), "")]

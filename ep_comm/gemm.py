@@ -12,10 +12,10 @@ a GEMM whose contracting dimension is ragged). Implementations:
   lowers it to a dense masked matmul over ``[groups, rows, K]`` (about 30x off the GPU, and out of
   memory at a few hundred groups), so it is the CPU choice.
 - ``"tokamax"``: tokamax's Pallas Mosaic GPU kernels (Hopper; bf16/f16 inputs), with the tile
-  configs measured on an H200 in :data:`TOKAMAX_CONFIGS`. Needs ``pip install ep_comm[gpu]`` (tokamax,
-  jax >= 0.11.1). These kernels do not write rows past the groups; ``grouped_matmul`` zeroes them
-  (a select that XLA fuses into the next elementwise op), so results never depend on which kernel
-  ran and no uninitialised row reaches a later ``drhs``.
+  configs measured on an H200 in :data:`TOKAMAX_CONFIGS`. Needs ``pip install ep_comm[gpu]``
+  (tokamax, jax >= 0.11.1). These kernels do not write rows past the groups; ``grouped_matmul``
+  zeroes them (a select that XLA fuses into the next elementwise op), so results never depend on
+  which kernel ran and no uninitialised row reaches a later ``drhs``.
 - ``"auto"`` (default): ``"tokamax"`` on a CUDA backend when tokamax imports and the dtypes are
   16-bit, else ``"xla"``.
 """
@@ -72,7 +72,8 @@ def _tokamax_op():
 @functools.lru_cache(maxsize=None)
 def _tokamax_kernel(config: tuple | None):
     mod = _tokamax_op()
-    return mod.PallasMosaicGpuRaggedDot(config=None if config is None else mod.Config(**dict(config)))
+    config = None if config is None else mod.Config(**dict(config))
+    return mod.PallasMosaicGpuRaggedDot(config=config)
 
 
 def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:

@@ -109,7 +109,7 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                              f"2 * intermediate), got {tuple(w_in.shape)}")
         inter = w_in.shape[2] // 2
         _check_weight(api, "w_in", w_in, (L, H, 2 * inter), x.dtype,
-                      f"(experts_per_rank = num_experts / num_ranks, hidden, 2 * intermediate)")
+                      "(experts_per_rank = num_experts / num_ranks, hidden, 2 * intermediate)")
         _check_weight(api, "w_out", w_out, (L, inter, H), x.dtype,
                       "(experts_per_rank, intermediate, hidden)")
         params = (w_in, w_out)

@@ -15,15 +15,14 @@ One run, side by side, on one routing (uniform top-k over ``--experts``):
   GEMM kernels and the rest (dispatch, combine, activation) from a profiler trace.
 
 Times are medians of ``--iters`` after ``--warmup``; ``#wrong`` counts outputs off a float64
-reference by more than the dtype's tolerance (layer: rank 0's first 64 tokens). JSON with ``--json``.
+reference by more than the dtype's tolerance (layer: rank 0's first 64 tokens). JSON with
+``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import gzip
-import glob
 import json
 import os
 
@@ -33,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-from collectives.timing import emit, hardware, median_us
+from collectives.timing import emit, hardware, median_us, trace_kernels
 from ep_comm import gemm as gm
 
 # tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N
@@ -321,15 +320,9 @@ def _profile_split(folder, fn, args):
     with jax.profiler.trace(folder):
         for _ in range(3):
             jax.block_until_ready(fn(*args))
-    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))
-    if not files:
+    kernels = trace_kernels(folder)
+    if kernels is None:
         return {"error": f"no trace under {folder}"}
-    with gzip.open(files[-1]) as f:
-        events = json.load(f).get("traceEvents", [])
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    kernels = [e for e in events if e.get("ph") == "X"
-               and "Stream" in names.get((e.get("pid"), e.get("tid")), "")]
     is_gemm = lambda k: any(s in k["name"].lower() for s in (
         "ragged", "gemm", "nvjet", "cutlass", "matmul", "sm90", "wgmma", "dot"))
     total = sum(k["dur"] for k in kernels) / 3
@@ -338,8 +331,9 @@ def _profile_split(folder, fn, args):
     for k in kernels:
         if not is_gemm(k):
             top[k["name"][:50]] = top.get(k["name"][:50], 0) + k["dur"] / 3
+    top = sorted(top.items(), key=lambda kv: -kv[1])[:8]
     return dict(kernel_us=total, gemm_us=gemm, other_us=total - gemm,
-                top_other={k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:8]})
+                top_other={k: round(v, 1) for k, v in top})
 
 
 def table(rep) -> str:

@@ -71,8 +71,8 @@ class MoE(nnx.Module):
                              f"{n} devices of mesh axis {axis_name!r}")
         if shared_intermediate is not None:
             positive_int(api, "shared_intermediate", shared_intermediate)
-        bad = set(config) - {f.name for f in dataclasses.fields(EPConfig)}
-        if bad or {"axis_name", "num_ranks", "num_experts", "topk", "tokens_per_rank"} & set(config):
+        fixed = {"axis_name", "num_ranks", "num_experts", "topk", "tokens_per_rank"}
+        if set(config) - {f.name for f in dataclasses.fields(EPConfig)} or fixed & set(config):
             raise ValueError(f"{api}: extra keyword arguments must be EPConfig fields other than "
                              f"axis_name, num_ranks, num_experts, topk and tokens_per_rank; "
                              f"got {sorted(config)}")
