@@ -11,7 +11,8 @@ One run, side by side, on one routing (uniform top-k over ``--experts``):
 - ``layer``: ``moe_layer`` (dispatch, SwiGLU experts, combine) forward and forward+backward with
   the chosen grouped GEMM, with ``lax.ragged_dot`` (forward, where it fits), and the dense ceiling
   (the same expert FLOPs as batched einsums, no routing); TFLOP/s, ratio to the ceiling, memory
-  per rank (XLA's buffer assignment), and with ``--profile DIR`` the GPU kernel time split into
+  per rank (XLA's buffer assignment), dispatch and combine timed alone on the same routing, and
+  with ``--profile DIR`` the GPU kernel time split into
   GEMM kernels and the rest (dispatch, combine, activation) from a profiler trace.
 
 Times are medians of ``--iters`` after ``--warmup``; ``#wrong`` counts outputs off a float64
@@ -198,6 +199,18 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                     tflops=fwd_flops / t_dense_f / 1e6, x_dense=1.0),
                dict(impl="dense einsum (ceiling)", pass_="fwd+bwd", time_us=t_dense_b,
                     tflops=3 * fwd_flops / t_dense_b / 1e6, x_dense=1.0)]
+    # the layer's exchange halves alone (the same config and routing): where its time goes
+    disp = jax.jit(jax.shard_map(functools.partial(ep_comm.dispatch, config=cfg), mesh=mesh,
+                                 in_specs=P("ep"), out_specs=P("ep")))
+    comb = jax.jit(jax.shard_map(ep_comm.combine, mesh=mesh, in_specs=P("ep"),
+                                 out_specs=P("ep")))
+    ex, handle = disp(xs, idss, ws)
+    for name, fn, args in (("dispatch alone", disp, (xs, idss, ws)),
+                           ("combine alone", comb, (ex, handle))):
+        t = median_us(fn, args, warmup, iters)
+        results.append(dict(impl=name, pass_="forward", time_us=t, tflops=0.0,
+                            x_dense=t / t_dense_f))
+    del ex, handle
     gpu = jax.default_backend() == "gpu"
     variants = [(implementation, True)]
     if with_xla and gm.resolve(implementation, dtype) != "xla":
