@@ -17,7 +17,9 @@ from conftest import BASE_SEED
 from moe_reference import routing
 
 T, K, H, I = 8, 3, 4, 5
-SETTINGS = settings(max_examples=10, deadline=None, database=None,
+# fewer under mpirun (every process draws the same examples; each costs a cross-process run)
+SETTINGS = settings(max_examples=10 if jax.process_count() == 1 else 3, deadline=None,
+                    database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 
