@@ -141,6 +141,8 @@ def _grouped_fwd(x, w, group_sizes, impls, out_dtype):
 def _grouped_bwd(impls, out_dtype, res, dy):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)  # kernels take one input dtype; they accumulate in float32
+    if "tokamax" in impls[1:]:  # rows past the groups: zero, as the output's are (fused select)
+        dy = _zero_past_groups(dy, group_sizes)
     dx = pass_kernel("dlhs", impls[1])(dy, jnp.swapaxes(w, 1, 2), group_sizes, x.dtype)
     dw = pass_kernel("drhs", impls[2])(x, dy, group_sizes, w.dtype)
     gs_cot = np.zeros(group_sizes.shape, jax.dtypes.float0)
@@ -156,7 +158,9 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
 
     Args:
       x: ``(M, K)`` floating; rows grouped contiguously from row 0 (``expert_x`` from
-        :func:`ep_comm.dispatch`). Rows past ``sum(group_sizes)`` are read by no kernel.
+        :func:`ep_comm.dispatch`). Rows past ``sum(group_sizes)`` do not change the result; with
+        tokamax they must be finite under ``grad`` (its weight-gradient kernel masks rows by
+        multiplying with zero). ``dispatch`` writes zeros there.
       w: ``(G, K, N)`` floating, the same dtype as ``x``; one matrix per group (local expert).
       group_sizes: ``(G,)`` integer; rows per group, ``sum(group_sizes) <= M`` (the rows past
         ``M`` of a larger sum are not computed, as in ``ragged_dot``).
