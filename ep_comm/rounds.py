@@ -108,7 +108,8 @@ def _forward(one_round, cfg, x, ids, weights, params):
 
     init = (jnp.zeros((), jnp.int32), counts, jnp.zeros((n,), jnp.int32),
             _zeros_like(x, x, jnp.float32))
-    init = (init[0], init[1], match_vma(init[2], counts), init[3])
+    # served is indexed by this rank (varying over the axis), as the loop body makes it
+    init = (init[0], init[1], match_vma(match_vma(init[2], counts), x), init[3])
     r, _, _, y = lax.while_loop(lambda s: jnp.sum(s[1]) > 0, body, init)
     return y.astype(x.dtype), r
 
@@ -133,7 +134,7 @@ def _rounds_bwd(one_round, cfg, res, cts):
         return remaining - quota, served + quota[me], grads
 
     zeros = jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, weights, params))
-    init = (counts, match_vma(jnp.zeros((n,), jnp.int32), counts), zeros)
+    init = (counts, match_vma(match_vma(jnp.zeros((n,), jnp.int32), counts), x), zeros)
     _, _, grads = lax.while_loop(lambda s: jnp.sum(s[0]) > 0, body, init)
     dx, dw, dp = jax.tree.map(lambda gr, a: match_vma(gr.astype(a.dtype), a), grads,
                               (x, weights, params))

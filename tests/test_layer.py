@@ -182,9 +182,9 @@ def dense_reference(x, ids, w, w_in, w_out, s_in, s_out, cot, shared):
 
 
 @pytest.mark.parametrize("kind,shared", [
-    # under mpirun (scripts/run.sh test) two of them: the cross-process paths are the same
+    # under mpirun (scripts/run.sh test) one of them: the cross-process paths are the same
     pytest.param("random", True, marks=pytest.mark.multiprocess), ("random", False),
-    ("skewed", True), pytest.param("masked", False, marks=pytest.mark.multiprocess),
+    ("skewed", True), ("masked", False),
     ("one_expert", True), ("one_expert", False)])
 def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared):
     x, ids, w, w_in, w_out, s_in, s_out, cot = layer_inputs(rng, n, kind)
@@ -203,7 +203,6 @@ def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared
         np.testing.assert_array_equal(got[5], 0.0)
 
 
-@pytest.mark.multiprocess
 def test_layer_user_experts_and_handle(sharded, n, rng):
     """experts= gets expert_x and group_sizes; return_handle gives dispatch's handle."""
     x, ids, w, w_in, w_out, *_ = layer_inputs(rng, n, "random")
