@@ -15,7 +15,8 @@ sends to ``d`` its next ``quota[s, d]`` pairs in (token, k) order. Every round s
 ``ceil(max_d load_d / C)``. Pairs that list an expert twice are merged first (weights added), as
 dispatch does.
 
-Differentiation: the forward pass is a ``lax.while_loop`` over rounds; the backward pass (a custom
+The rounds' outputs are summed in float32 (each is rounded to ``x.dtype`` first, as the layer's
+output is). Differentiation: the forward pass is a ``lax.while_loop`` over rounds; the backward pass (a custom
 VJP) runs the same rounds again, each round's forward recomputed and its VJP taken, so it also holds
 one round at a time (the price: one more forward pass in training).
 """
