@@ -18,7 +18,7 @@ from moe_reference import routing
 
 T, K, H, I = 8, 3, 4, 5
 # fewer under mpirun (every process draws the same examples; each costs a cross-process run)
-SETTINGS = settings(max_examples=10 if jax.process_count() == 1 else 3, deadline=None,
+SETTINGS = settings(max_examples=10 if jax.process_count() == 1 else 2, deadline=None,
                     database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
@@ -80,8 +80,8 @@ def routings(n):
 def test_every_pair_served_once_in_at_most_ceil_load_over_capacity_rounds(sharded, n, data):
     ids = data.draw(routings(n))
     # capacity 1 means a round per pair of the busiest rank: single-process only
-    capacity = data.draw(st.sampled_from(([1] if jax.process_count() == 1 else [])
-                                         + [3, T * K, 2 * T * K]))
+    capacity = data.draw(st.sampled_from([1, 3, T * K, 2 * T * K] if jax.process_count() == 1
+                                         else [3, T * K]))
     cfg = config(n, capacity)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
     w = rng.uniform(0.1, 1.0, (n * T, K)).astype(np.float32)
@@ -108,10 +108,8 @@ def swiglu_layer_and_grads(sharded, cfg):
 
 @pytest.mark.parametrize("kind,capacity", [
     # under mpirun (scripts/run.sh test) one of them (and the hypothesis test above)
-    ("random", 1), ("random", 2 * T * K),
-    ("skewed", 1), ("skewed", 2 * T * K),
-    pytest.param("skewed", T * K, marks=pytest.mark.multiprocess),  # rounds at 2 ranks too
-    ("one_expert", 1), ("one_expert", 2 * T * K), ("one_rank", 3), ("empty_ranks", 2 * T * K)])
+    ("random", 1), pytest.param("skewed", T * K, marks=pytest.mark.multiprocess),
+    ("one_expert", 1), ("one_rank", 3), ("empty_ranks", 2 * T * K)])
 def test_rounds_equal_the_worst_case_round_with_gradients(sharded, n, rng, kind, capacity):
     E = 4 * n
     ids = routing(rng, kind, n, T, K, E)
