@@ -44,8 +44,9 @@ _RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[])
 
-# Tile configs of tokamax's Mosaic GPU kernels per pass, measured on one H200 (bf16, the DeepSeek-V3
-# EP8 per-rank shape; table and command in docs/bench/h200x1_layer/). None: tokamax's heuristics.
+# Tile configs of tokamax's Mosaic GPU kernels per pass on Hopper (sm90), measured on one H200 (bf16,
+# the DeepSeek-V3 EP8 per-rank shape; table and command in docs/bench/h200x1_layer/). None, and any
+# other GPU generation: tokamax's heuristics.
 _SM90_GEMM = dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1,
                  persistent=False, grid_minor_dim=0, grid_tile_width=8)
 TOKAMAX_CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -95,6 +96,10 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
     return implementation
 
 
+def _hopper() -> bool:
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def _zero_past_groups(out, group_sizes):
     rows = jnp.arange(out.shape[0], dtype=jnp.int32)[:, None]
     return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
@@ -114,7 +119,8 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
             return lax.ragged_dot_general(a, b, group_sizes, dims,
                                           preferred_element_type=out_dtype)
         return xla
-    config = TOKAMAX_CONFIGS.get(pass_name) if config is None else config
+    if config is None and _hopper():
+        config = TOKAMAX_CONFIGS.get(pass_name)
     kernel = _tokamax_kernel(None if config is None else tuple(sorted(config.items())))
 
     def tokamax(a, b, group_sizes, out_dtype):
