@@ -71,8 +71,12 @@ case "$what" in
       [ "$rc" = 0 ] || [ "$rc" = 5 ] || { echo "FAILED: $name"; exit 1; }
     }
     # The whole suite once, on 8 CPU devices. (One process: the tests share compiled programs;
-    # pytest-xdist over 2 cores measured slower, 179 s against 142 s.)
-    phase "single process, 8 CPU devices" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    # pytest-xdist over 2 cores measured slower, 179 s against 142 s.) XLA's CPU backend compiles
+    # at LLVM -O0 here as in the mpirun phases: the tests check ep_comm's logic, not LLVM's code,
+    # and compiling dominates them (322 s at the default level, 202 s at -O0, with the layer
+    # tests); scripts/gpu_check.sh runs the suite at XLA's defaults on the GPU.
+    XLA_FLAGS="$XLA_FLAGS --xla_backend_optimization_level=0" \
+      phase "single process, 8 CPU devices" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
       --timeout 600 tests "${PYTEST_ARGS[@]}"
     # Under mpirun, the tests marked multiprocess: the MPI engine, bootstrap and launch helpers, and
     # the exchange and dispatch/combine equalities across processes and at 2 and 4 ranks. Each
@@ -80,7 +84,7 @@ case "$what" in
     # MPI transport (the native engine) next to the others; two per process covers processes that
     # drive several devices. XLA's backend optimisation level is 0 there: these phases are about
     # what crosses processes, and LLVM at -O0 compiles their programs in about 60% of the time
-    # (measured); the single-process phase above runs XLA's defaults.
+    # (measured).
     mpi_phase() {
       XLA_FLAGS=--xla_backend_optimization_level=0 EP_COMM_CPU_DEVICES=$2 timeout 900 \
         mpirun -n "$1" --oversubscribe "$VENV/bin/python" -m pytest --with-mpi -q \
