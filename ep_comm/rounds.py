@@ -70,13 +70,17 @@ def _schedule(ids, cfg: EPConfig):
     return dest, pos, counts, me
 
 
-def _round_ids(ids, dest, pos, served, quota_me, n):
-    """This round's ids: the pairs at positions [served[d], served[d] + quota[d]) of each
-    destination ``d``; the others -1."""
+def _next_round(ids, schedule, remaining, served, capacity):
+    """This round's ids (the pairs at positions ``[served[d], served[d] + quota[d])`` of each
+    destination ``d``, the others -1) and the remaining counts and served positions after it."""
+    dest, pos, me = schedule
+    n = remaining.shape[0]
+    quota = _quota(remaining, capacity)
+    mine = quota[me]
     d = jnp.minimum(dest, n - 1)
     lo = jnp.take(served, d)
-    take = (dest < n) & (pos >= lo) & (pos < lo + jnp.take(quota_me, d))
-    return jnp.where(take, ids, -1)
+    take = (dest < n) & (pos >= lo) & (pos < lo + jnp.take(mine, d))
+    return jnp.where(take, ids, -1), remaining - quota, served + mine
 
 
 def run_rounds(one_round, x, ids, weights, params, cfg: EPConfig):
@@ -93,49 +97,53 @@ def _zeros_like(a, like, dtype=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _rounds(one_round, cfg, x, ids, weights, params):
-    return _forward(one_round, cfg, x, ids, weights, params)
+    return _forward(one_round, cfg, x, ids, weights, params)[0]
 
 
 def _forward(one_round, cfg, x, ids, weights, params):
-    n, C = cfg.num_ranks, cfg.expert_rows
     dest, pos, counts, me = _schedule(ids, cfg)
+    schedule = (dest, pos, me)
 
     def body(state):
         r, remaining, served, y = state
-        quota = _quota(remaining, C)
-        round_ids = _round_ids(ids, dest, pos, served, quota[me], n)
+        round_ids, remaining, served = _next_round(ids, schedule, remaining, served,
+                                                   cfg.expert_rows)
         y = y + one_round(x, round_ids, weights, params).astype(jnp.float32)
-        return r + 1, remaining - quota, served + quota[me], y
+        return r + 1, remaining, served, y
 
-    init = (jnp.zeros((), jnp.int32), counts, jnp.zeros((n,), jnp.int32),
+    init = (jnp.zeros((), jnp.int32), counts, _served0(cfg, counts, x),
             _zeros_like(x, x, jnp.float32))
-    # served is indexed by this rank (varying over the axis), as the loop body makes it
-    init = (init[0], init[1], match_vma(match_vma(init[2], counts), x), init[3])
     r, _, _, y = lax.while_loop(lambda s: jnp.sum(s[1]) > 0, body, init)
-    return y.astype(x.dtype), r
+    # the backward pass replays the same schedule: keep it rather than gather the counts again
+    return (y.astype(x.dtype), r), (schedule, counts)
+
+
+def _served0(cfg, counts, x):
+    """Positions served so far per destination: none. Indexed by this rank in the loop, so typed
+    varying over the axis from the start."""
+    return match_vma(match_vma(jnp.zeros((cfg.num_ranks,), jnp.int32), counts), x)
 
 
 def _rounds_fwd(one_round, cfg, x, ids, weights, params):
-    return _forward(one_round, cfg, x, ids, weights, params), (x, ids, weights, params)
+    out, sched = _forward(one_round, cfg, x, ids, weights, params)
+    return out, (x, ids, weights, params, sched)
 
 
 def _rounds_bwd(one_round, cfg, res, cts):
-    x, ids, weights, params = res
+    x, ids, weights, params, (schedule, counts) = res
     g = cts[0]
-    n, C = cfg.num_ranks, cfg.expert_rows
-    dest, pos, counts, me = _schedule(ids, cfg)
 
     def body(state):
         remaining, served, grads = state
-        quota = _quota(remaining, C)
-        round_ids = _round_ids(ids, dest, pos, served, quota[me], n)
+        round_ids, remaining, served = _next_round(ids, schedule, remaining, served,
+                                                   cfg.expert_rows)
         _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, weights, params)
         step = vjp(g.astype(x.dtype))
         grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, step)
-        return remaining - quota, served + quota[me], grads
+        return remaining, served, grads
 
     zeros = jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, weights, params))
-    init = (counts, match_vma(match_vma(jnp.zeros((n,), jnp.int32), counts), x), zeros)
+    init = (counts, _served0(cfg, counts, x), zeros)
     _, _, grads = lax.while_loop(lambda s: jnp.sum(s[0]) > 0, body, init)
     dx, dw, dp = jax.tree.map(lambda gr, a: match_vma(gr.astype(a.dtype), a), grads,
                               (x, weights, params))
