@@ -45,14 +45,19 @@ _RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[])
 
 # Tile configs of tokamax's Mosaic GPU kernels per pass on Hopper (sm90), measured on one H200 (bf16,
-# the DeepSeek-V3 EP8 per-rank shape; table and command in docs/bench/h200x1_layer/). None, and any
-# other GPU generation: tokamax's heuristics.
+# the DeepSeek-V3 EP8 per-rank shape; table and command in docs/bench/h200x1_layer/). Any other GPU
+# generation: tokamax's heuristics.
+# "heuristics" as a config: tokamax's own choice. Measured: forward/dlhs at 1.0-1.25x a dense
+# einsum of the same FLOPs with 128x128x64 tiles walking M first in strips of 8; drhs at 1.8-2.0x
+# with 128x128x128 tiles, 3 stages (its heuristics: 3.0-3.4x). drhs with block_k=64 gave WRONG
+# results there (tokamax 0.0.17), so block_k stays 128.
 _SM90_GEMM = dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1,
                  persistent=False, grid_minor_dim=0, grid_tile_width=8)
-TOKAMAX_CONFIGS: dict[str, dict[str, Any] | None] = {
+TOKAMAX_CONFIGS: dict[str, dict[str, Any] | str] = {
     "forward": _SM90_GEMM,
     "dlhs": _SM90_GEMM,
-    "drhs": None,
+    "drhs": dict(block_m=128, block_n=128, block_k=128, num_stages=3, split_k=1,
+                 persistent=False),
 }
 
 
@@ -107,7 +112,8 @@ def _zero_past_groups(out, group_sizes):
 
 def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     """The kernel of one pass as ``f(a, b, group_sizes, out_dtype)``; ``impl`` is ``"xla"`` or
-    ``"tokamax"`` (resolved), ``config`` a tokamax tile config (default: :data:`TOKAMAX_CONFIGS`).
+    ``"tokamax"`` (resolved), ``config`` a tokamax tile config or ``"heuristics"`` (tokamax's
+    own; default: :data:`TOKAMAX_CONFIGS` on Hopper, heuristics elsewhere).
 
     ``forward``/``dlhs``: ``(M, K) x (G, K, N) -> (M, N)`` grouped over the rows, zero past the
     groups; ``drhs``: ``(M, K) x (M, N) -> (G, K, N)``, group ``g`` contracting its own rows."""
@@ -119,9 +125,9 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
             return lax.ragged_dot_general(a, b, group_sizes, dims,
                                           preferred_element_type=out_dtype)
         return xla
-    if config is None and _hopper():
-        config = TOKAMAX_CONFIGS.get(pass_name)
-    kernel = _tokamax_kernel(None if config is None else tuple(sorted(config.items())))
+    if config is None:
+        config = TOKAMAX_CONFIGS.get(pass_name, "heuristics") if _hopper() else "heuristics"
+    kernel = _tokamax_kernel(None if config == "heuristics" else tuple(sorted(config.items())))
 
     def tokamax(a, b, group_sizes, out_dtype):
         # 16-bit inputs: every precision is the same product (explicit, so that a global

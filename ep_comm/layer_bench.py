@@ -36,19 +36,29 @@ import ep_comm
 from collectives.timing import emit, hardware, median_us, trace_kernels
 from ep_comm import gemm as gm
 
-# tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N
-CANDIDATES = [
-    dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1, persistent=False),
-    dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1, persistent=True),
-    dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=False),
-    dict(block_m=128, block_n=256, block_k=64, num_stages=3, split_k=1, persistent=False),
-    dict(block_m=128, block_n=128, block_k=64, num_stages=4, split_k=1, persistent=False,
-         grid_minor_dim=0, grid_tile_width=8),
-]
+# tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N. The
+# weight-gradient kernel (drhs) runs a plain (M/bm, N/bn, groups) grid: persistence and grid order
+# do not apply to it, tile shape and stages do.
+def _cfg(m, n, k, stages, **kw):
+    return dict(block_m=m, block_n=n, block_k=k, num_stages=stages, split_k=1,
+                persistent=kw.pop("persistent", False), **kw)
+
+
+CANDIDATES = {
+    "forward": [_cfg(128, 128, 64, 4), _cfg(128, 128, 64, 4, persistent=True),
+                _cfg(128, 128, 64, 4, grid_minor_dim=0, grid_tile_width=8),
+                _cfg(128, 256, 64, 3, grid_minor_dim=0, grid_tile_width=8),
+                _cfg(128, 128, 64, 4, grid_minor_dim=0, grid_tile_width=16)],
+    "drhs": [_cfg(128, 128, 64, 4), _cfg(128, 256, 64, 3), _cfg(128, 128, 128, 3),
+             _cfg(64, 256, 64, 4), _cfg(128, 64, 128, 4)],
+}
+CANDIDATES["dlhs"] = CANDIDATES["forward"]
 
 
 def _label(cfg):
     if cfg is None:
+        return "ep_comm default"
+    if cfg == "heuristics":
         return "heuristics"
     s = f"m{cfg['block_m']}n{cfg['block_n']}k{cfg['block_k']}s{cfg['num_stages']}"
     s += "p" if cfg.get("persistent") else ""
@@ -58,7 +68,8 @@ def _label(cfg):
 
 
 def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, log=None):
-    """Every pass of the up and down GEMMs with each candidate; returns (results, best configs)."""
+    """Every pass of the up and down GEMMs with each candidate (``{pass: [tokamax config]}``);
+    returns (results, best configs)."""
     if rows % groups:
         raise ValueError(f"layer_bench: the GEMM sweep needs rows={rows} divisible by "
                          f"groups={groups}")
@@ -67,7 +78,7 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
     gpu = jax.default_backend() == "gpu"
     impls = [("xla", None)]
     if gm.tokamax_available() and jnp.dtype(dtype).itemsize == 2:
-        impls += [("tokamax", None)] + [("tokamax", c) for c in candidates]
+        impls += [("tokamax", None), ("tokamax", "heuristics")]
     results, best = [], {}
     for name, k, n in (("up", hidden, 2 * inter), ("down", inter, hidden)):
         a = jnp.asarray(rng.standard_normal((rows, k)), dtype)
@@ -100,7 +111,8 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
             else:
                 operands = (a, b) if pass_name == "forward" else (dy, jnp.swapaxes(b, 1, 2))
             ref = None
-            for impl, cfg in impls:
+            for impl, cfg in impls + [("tokamax", c) for c in candidates.get(pass_name, [])
+                                      if len(impls) > 1]:
                 label = f"{impl} {_label(cfg)}" if impl == "tokamax" else "lax.ragged_dot"
                 if impl == "xla" and gpu and len(impls) > 1:
                     results.append(dict(gemm=name, pass_=pass_name, impl=label, skipped=(
@@ -126,7 +138,7 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
         totals = {}
         for r in results:
             if r["pass_"] == pass_name and r["impl"].startswith("tokamax") and "time_us" in r \
-                    and r["wrong"] == 0:
+                    and r["wrong"] == 0 and r["config"] is not None:  # None: the defaults in use
                 key = _label(r["config"])
                 totals.setdefault(key, [r["config"], 0.0, 0])
                 totals[key][1] += r["time_us"]
