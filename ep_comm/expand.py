@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from ep_comm.config import EPConfig
+from ep_comm.layout import repeats_earlier
+from ep_comm.rows import gather_rows
 from ep_comm.routes import Route, exclusive_cumsum
 
 
@@ -64,11 +66,13 @@ def expand(cfg: EPConfig, route: Route, num_recv, me) -> Expanded:
     src_row = jnp.minimum(expert_token, R - 1)
     if flat_to_buf is not None:
         src_row = jnp.take(flat_to_buf, src_row)
-    expert_x = jnp.take(buf_x, src_row, axis=0)
-    expert_x = jnp.where(used[:, None], expert_x, jnp.zeros((), buf_x.dtype))
     if flat_to_buf is not None:  # combine reads the receive buffer in its own (stage-2) order
         buf_rows = jnp.where(received, flat_to_buf, R)
         recv_pos = jnp.full((R, K), C, i32).at[buf_rows].set(recv_pos, mode="drop")
         recv_w = jnp.zeros((R, K), jnp.float32).at[buf_rows].set(recv_w, mode="drop")
+    # recv_pos's first slots per expert list exactly the expert rows reading each buffer row:
+    # the gather's transpose (dispatch's backward) is a gather over them
+    inverse_rows = jnp.where(repeats_earlier(recv_pos), C, recv_pos)
+    expert_x = gather_rows(buf_x, jnp.where(used, src_row, R), inverse_rows)
 
     return Expanded(expert_x, group_sizes, recv_pos, recv_w, expert_token)

@@ -375,7 +375,7 @@ def table(rep) -> str:
             temp = f"{r['temp_bytes'] / 2**20:>9.2f}MB" if r.get("temp_bytes") is not None \
                 else f"{'-':>11}"
             ratio = f"{r['x_one_round_time']:>10.2f}" if "x_one_round_time" in r else f"{'-':>10}"
-            wrong = f"{r['wrong_vs_one_round']:>8d}" if "wrong_vs_one_round" in r else f"{'-':>8}"
+            wrong = f" {r['wrong_vs_one_round']:>7d}" if "wrong_vs_one_round" in r else f"{'-':>8}"
             lines.append(f"{r['routing']:<16}{r['capacity']:>9d}{r['x_balanced']:>7.2f}"
                          f"{r['max_load']:>9d}{r['rounds']:>7d}{r['time_us']:>11.1f}{ratio}"
                          f"{temp}{r['dropped']:>8d}{wrong}")
@@ -392,7 +392,7 @@ def table(rep) -> str:
                              f"{r['skipped']}")
                 continue
             lines.append(f"{r['gemm']:<6}{r['pass_']:<9}{r['impl']:<34}{r['time_us']:>10.1f}"
-                         f"{r['tflops']:>9.1f}{r['x_dense']:>9.2f}{r['wrong']:>8d}")
+                         f"{r['tflops']:>9.1f}{r['x_dense']:>9.2f} {r['wrong']:>7d}")
         lines.append(f"# fastest tokamax config per pass: "
                      f"{ {p: _label(c) for p, c in rep['best'].items()} }")
         return "\n".join(lines)
@@ -409,7 +409,7 @@ def table(rep) -> str:
             continue
         temp = f"{r['temp_bytes'] / 2**30:>9.2f}GB" if r.get("temp_bytes") is not None \
             else f"{'-':>11}"
-        wrong = f"{r['wrong']:>8d}" if "wrong" in r else f"{'-':>8}"
+        wrong = f" {r['wrong']:>7d}" if "wrong" in r else f"{'-':>8}"
         lines.append(f"{r['impl']:<44}{r['pass_']:<9}{r['time_us']:>11.1f}{r['tflops']:>9.1f}"
                      f"{r['x_dense']:>9.2f}{wrong}{temp}")
         if "trace" in r:

@@ -34,6 +34,7 @@ from ep_comm.expand import expand
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids, layout_and_routes
 from ep_comm.overflow import runtime_check
+from ep_comm.rows import gather_sum
 from ep_comm.routes import exchange, exclusive_cumsum, flat_route, hierarchical_route, link_rows
 from topology.jax_compat import axis_size
 
@@ -138,21 +139,6 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     if cfg.overflow == "raise":
         handle = runtime_check(handle)
     return ex.expert_x, handle
-
-
-def gather_sum(table, idx, ok, weights=None):
-    """``sum_k ok[:, k] * weights[:, k] * table[idx[:, k]]`` in float32, adding k in order (a
-    fixed order: deterministic). ``idx``/``ok``/``weights``: ``(N, K)``; masked entries may hold
-    any index and contribute exactly zero, even where the table holds NaN."""
-    acc = None
-    for k in range(idx.shape[1]):
-        rows = jnp.take(table, jnp.clip(idx[:, k], 0, table.shape[0] - 1), axis=0)
-        rows = rows.astype(jnp.float32)
-        if weights is not None:
-            rows = weights[:, k, None] * rows
-        term = jnp.where(ok[:, k, None], rows, 0.0)
-        acc = term if acc is None else acc + term
-    return acc
 
 
 def combine(expert_y, handle: EPHandle):

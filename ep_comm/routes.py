@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ep_comm.layout import repeats_earlier
 from ep_comm.ragged import _ragged_all_to_all
+from ep_comm.rows import gather_rows
 from topology.machine import LINK_CLASSES
 from topology.traffic import link_matrix
 
@@ -115,13 +116,15 @@ def pack(in_dest, starts, rows: int):
     return item, dest, row
 
 
-def send_buffer(x, route, item, dest, slot_dest, K):
-    """Rows ``x[item]`` with their routing masked to the slots whose destination
-    (``slot_dest[item]``, ``(rows, K)``) is the row's ``dest`` (weight 0 and id -1 elsewhere)."""
+def send_buffer(x, route, item, dest, row, slot_dest, K):
+    """Rows ``x[item]`` (zero past the used rows) with their routing masked to the slots whose
+    destination (``slot_dest[item]``, ``(rows, K)``) is the row's ``dest`` (weight 0 and id -1
+    elsewhere); ``item``, ``dest``, ``row`` as :func:`pack` returns them (``row`` is the gather's
+    inverse: its transpose gathers each item's send rows)."""
     src = jnp.minimum(item, x.shape[0] - 1)
     ok = (slot_dest[src] == dest[:, None]) & (item < x.shape[0])[:, None]
     r = route[src]
-    return jnp.take(x, src, axis=0), jnp.concatenate(
+    return gather_rows(x, item, row), jnp.concatenate(
         [jnp.where(ok, r[:, :K], 0.0), jnp.where(ok, r[:, K:], -1.0)], axis=1)
 
 
@@ -148,7 +151,7 @@ def flat_route(cfg, plan, x, route, dest, tok, kept, me) -> Route:
     send_starts = exclusive_cumsum(tok, axis=1)  # row of s's send buffer where d's block starts
     in_rank = jnp.any(dest[:, :, None] == jnp.arange(n, dtype=jnp.int32), axis=1)  # (T, n)
     item, to, send_row = pack(in_rank, send_starts[me], cfg.send_rows)
-    send_x, send_route = send_buffer(x, route, item, to, dest, K)
+    send_x, send_route = send_buffer(x, route, item, to, send_row, dest, K)
     leg = make_leg(kept, send_starts, me, jnp.arange(n, dtype=jnp.int32))
     recv_x, recv_route = _move(cfg, plan.stages[0], leg, send_x, send_route, R, T, "")
     return Route(recv_x, recv_route, None, (leg,), first_rows(dest, send_row, n), None)
@@ -175,7 +178,7 @@ def hierarchical_route(cfg, plan, x, route, node, in_node, kept, node_tok, me) -
     M1 = node_tok.reshape(N, G, N)[:, l0, :]  # [a, b]: tokens (a, l0) -> node b
     starts1 = exclusive_cumsum(M1, axis=1)
     item, to, send_row = pack(in_node, starts1[a0], T * min(K, N))
-    send_x, send_route = send_buffer(x, route, item, to, node, K)
+    send_x, send_route = send_buffer(x, route, item, to, send_row, node, K)
     leg1 = make_leg(M1, starts1, a0, jnp.arange(N, dtype=i32) * G + l0)
     R1 = N * T
     fx, froute = _move(cfg, stage1, leg1, send_x, send_route, R1, T, "stage 1 ")
@@ -199,7 +202,7 @@ def hierarchical_route(cfg, plan, x, route, node, in_node, kept, node_tok, me) -
     fwd = hits & (j < limit)
     starts2 = exclusive_cumsum(F, axis=1)
     item2, to2, forward_row = pack(fwd, starts2[l0], R1 * min(K, G))
-    send2_x, send2_route = send_buffer(fx, froute, item2, to2, target, K)
+    send2_x, send2_route = send_buffer(fx, froute, item2, to2, forward_row, target, K)
     leg2 = make_leg(F, starts2, l0, a0 * G + jnp.arange(G, dtype=i32))
     rx, rroute = _move(cfg, stage2, leg2, send2_x, send2_route, R, R1, "stage 2 ")
 
