@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from topology.jax_compat import match_vma, sum_to_vma
+
 
 def _valid(idx, size):
     return (idx >= 0) & (idx < size)
@@ -52,16 +54,22 @@ def gather_rows(table, idx, inv):
 
 
 def _gather_rows_fwd(table, idx, inv):
-    return _take(table, idx), (idx, inv, jnp.zeros((0,), table.dtype))  # (0,): the dtype
+    return _take(table, idx), (idx, inv, table[:0])  # no rows: the dtype and mesh axes
 
 
 def _gather_rows_bwd(res, d_out):
     idx, inv, like = res
     d_table = gather_sum(d_out, inv, _valid(inv, d_out.shape[0])).astype(like.dtype)
-    return d_table, _int_zero(idx), _int_zero(inv)
+    return _like(d_table, like), _int_zero(idx), _int_zero(inv)
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def _like(ct, primal):
+    """``ct`` typed as ``primal``'s cotangent inside ``shard_map``: summed over the mesh axes only
+    it varies over, marked varying over those only ``primal`` varies over."""
+    return match_vma(sum_to_vma(ct, primal), primal)
 
 
 def _int_zero(a):
@@ -125,7 +133,7 @@ def _gather_sum_bwd(weighted, res, d_out):
                     * d_out, axis=1) for k in range(K)], axis=1).astype(weights.dtype)
     else:
         d_w = jnp.zeros_like(weights)
-    return d_table, _int_zero(idx), _int_zero(ok), d_w
+    return _like(d_table, table), _int_zero(idx), _int_zero(ok), _like(d_w, weights)
 
 
 _gather_sum.defvjp(_gather_sum_fwd, _gather_sum_bwd)

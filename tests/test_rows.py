@@ -93,3 +93,34 @@ def test_transposes_are_gathers_not_scatters():
                          lambda t, p, o: _plain_gather_sum(t, p, o, jnp.ones(p.shape)))
     assert plain, "the plain gathers' transposes should scatter rows (the check can fail)"
     assert row_scatters(lambda t: gather_rows(t, idx, inv), gather_sum) == []
+
+
+def test_invariant_table_gets_the_summed_cotangent_inside_shard_map():
+    """A table every rank holds alike (not varying over the mesh axis) read by varying work: its
+    cotangent is the sum over ranks, as JAX's own gather transposes give."""
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+    N, M, H = 6, 4, 3
+    idx = np.array([0, 2, 2, 5], np.int32)
+    inv = np.full((N, 2), -1, np.int32)
+    inv[0, 0], inv[2, 0], inv[2, 1], inv[5, 0] = 0, 1, 2, 3
+    pos = np.array([[0, 1], [2, 3]], np.int32)  # gather_sum over the gathered rows
+    table = jnp.asarray(np.random.default_rng(3).standard_normal((N, H)), jnp.float32)
+    scale = jnp.arange(1, n + 1, dtype=jnp.float32)  # one per rank: varying work
+
+    # the indices arrive per rank (alike here): the gathers' outputs vary over the axis
+    idx_r, pos_r = np.tile(idx, (n, 1)), np.tile(pos, (n, 1))
+
+    def loss(take, gsum):
+        def per_rank(t, s, i, p):
+            y = gsum(take(t, i[0]) * s[0], p, np.ones((2, 2), bool))
+            return jnp.sum(y ** 2, keepdims=True)
+        f = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("ep"), P("ep"), P("ep")),
+                          out_specs=P("ep"))
+        return lambda t: jnp.sum(f(t, scale, idx_r, pos_r))
+
+    got = jax.grad(loss(lambda t, i: gather_rows(t, i, inv), gather_sum))(table)
+    want = jax.grad(loss(_plain_take,
+                         lambda t, p, o: _plain_gather_sum(t, p, o, jnp.ones(p.shape))))(table)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

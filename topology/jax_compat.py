@@ -69,3 +69,11 @@ def match_vma(x, like):
     kernels that do not carry them (Pallas outputs)."""
     missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def sum_to_vma(ct, like):
+    """A cotangent ``ct`` for a primal ``like``, summed (``psum``) over the manual mesh axes it
+    varies over and ``like`` does not: the transpose of using an invariant value in varying work,
+    for custom VJP rules (JAX inserts the same sum for its own rules)."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(like)))
+    return jax.lax.psum(ct, extra) if extra else ct
