@@ -101,7 +101,7 @@ def test_invariant_table_gets_the_summed_cotangent_inside_shard_map():
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     P = jax.sharding.PartitionSpec
-    N, M, H = 6, 4, 3
+    N, H = 6, 3
     idx = np.array([0, 2, 2, 5], np.int32)
     inv = np.full((N, 2), -1, np.int32)
     inv[0, 0], inv[2, 0], inv[2, 1], inv[5, 0] = 0, 1, 2, 3

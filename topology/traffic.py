@@ -93,9 +93,15 @@ class Traffic:
 
 
 def link_matrix(topology: Topology) -> np.ndarray:
-    n = topology.num_ranks
-    return np.array([[LINK_CLASSES.index(topology.link(s, d)) for d in range(n)]
-                     for s in range(n)], np.int32)
+    """``(n, n)`` index into :data:`LINK_CLASSES` of the link each pair of ranks crosses
+    (:meth:`Topology.link`, vectorised: thousands of ranks are fine)."""
+    n, G = topology.num_ranks, topology.gpus_per_node
+    node = np.arange(n) // G
+    same_node = node[:, None] == node[None, :]
+    out = np.where(same_node, LINK_CLASSES.index(topology.intra_node_link()),
+                   LINK_CLASSES.index("network"))
+    np.fill_diagonal(out, LINK_CLASSES.index("self"))
+    return out.astype(np.int32)
 
 
 def _check_plan(plan: str, owner: str) -> None:

@@ -1,0 +1,629 @@
+"""Scale model: one MoE layer's forward and backward per GPU, 8 to 1,024 GPUs, event by event.
+
+Only one GPU is lent to this project, so what ep_comm's schedule does at scale is said by a model
+calibrated on what one H200 measured and on public link figures, and checked against published
+results (``python -m topology.scale --validate``).
+
+What one layer is here (per GPU of an expert-parallel group of ``ep`` ranks, ``T`` tokens each,
+top-``K`` of ``E`` experts, SwiGLU width ``I``, hidden ``H``):
+
+- **exchanges** (``dispatch``, ``combine``; in the backward their transposes) with the rows the
+  routing puts on every pair of ranks, priced per leg by :class:`topology.CostModel` (alpha-beta
+  per link class, the slowest rank bounding the leg) for the flat or the hierarchical plan and a
+  bf16 or FP8 wire (row bytes with their scales);
+- **local passes** (pack, expand, the weighted sums) at the effective rates of ep_comm's local data
+  path measured on the H200;
+- **expert GEMMs** at the grouped-GEMM rates measured per pass (forward, dlhs, drhs), for each
+  rank's own load (skewed routing loads ranks unevenly) plus the elementwise work around them
+  (SwiGLU, and in the backward the layout transposes tokamax's kernels need);
+- **the schedule**: ``num_chunks`` pieces of the tokens, issued as the layer's pipeline places
+  them: the exchanges in order on one communication stream (dispatch of chunk c+1 and combine of
+  chunk c-1 while the experts of chunk c run), the local passes and GEMMs in order on the compute
+  stream; ``num_chunks=1`` is today's serial layer. Dropless rounds (a receive capacity) run one
+  after the other, each a serial layer over its share of the pairs.
+
+Every operation is an event with a start and an end per rank; a collective starts when its last
+rank is ready and ends when its slowest leg does. The model's exchange on one node is exactly
+``CostModel.predict``'s (a test holds them equal).
+
+GPUs beyond the expert-parallel group (``ep = min(gpus, experts)`` by default: at least one
+expert per GPU) are data-parallel replicas of it: their layer time is the group's. The weight
+gradients' data-parallel all-reduce is not part of the MoE layer's exchange and not modelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from topology.cost import CostModel, Link
+from topology.machine import simulated
+from topology.traffic import PLANS, Traffic, _legs
+
+WIRES = ("bf16", "e4m3", "mxfp8")
+ROUTINGS = ("uniform", "zipf", "node_limited")
+PASSES = ("forward", "dlhs", "drhs")
+
+
+def wire_row_bytes(hidden: int, wire: str, topk: int) -> int:
+    """Bytes of one dispatch row on the wire: the token (bf16; e4m3 with one float32 scale per 128
+    elements, DeepEP's layout; MXFP8 with one e8m0 byte per 32) and its routing (``2 * topk``
+    float32: weights and ids)."""
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
+    token = {"bf16": 2 * hidden, "e4m3": hidden + 4 * math.ceil(hidden / 128),
+             "mxfp8": hidden + math.ceil(hidden / 32)}[wire]
+    return token + 8 * topk
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One GPU kind and its links.
+
+    Attributes:
+      name: for the report.
+      gpus_per_node: GPUs sharing the fast intra-node link.
+      links: alpha-beta per link class (:class:`CostModel`).
+      gemm_tflops: effective grouped-GEMM rates per pass (``PASSES``), TFLOP/s.
+      local_bw: effective bytes/s of the local dispatch and combine passes (their compulsory
+        bytes: the token rows read and the expert rows written, or the reverse).
+      elementwise_bw: bytes/s of an elementwise pass (SwiGLU, transposes).
+      sources: where each figure comes from.
+    """
+
+    name: str
+    gpus_per_node: int
+    links: CostModel
+    gemm_tflops: tuple[float, float, float]
+    local_bw: tuple[float, float]
+    elementwise_bw: float
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"Hardware: gpus_per_node must be a positive int, got "
+                             f"{self.gpus_per_node!r}")
+        if not isinstance(self.links, CostModel):
+            raise TypeError(f"Hardware: links must be a topology.CostModel, got "
+                            f"{type(self.links).__name__}")
+        for name, vals in (("gemm_tflops", self.gemm_tflops), ("local_bw", self.local_bw),
+                           ("elementwise_bw", (self.elementwise_bw,))):
+            if not all(isinstance(v, (int, float)) and v > 0 and np.isfinite(v) for v in vals):
+                raise ValueError(f"Hardware: {name} must be positive finite numbers, got {vals!r}")
+
+
+# One H200 as measured (docs/bench/h200x1_layer/, h200x1_topology/, h200x1_final/; jax 0.11.2,
+# tokamax 0.0.17, bf16, T=4096, H=7168, I=2048, 32 local experts):
+# - grouped GEMM, ep_comm's tile configs: forward up 3138 us + down 1955 us for 2.886 TFLOP
+#   (567 TFLOP/s); dlhs 3370 + 1716 us (567); drhs 5636 + 2931 us (337) (gemm_sweep.txt);
+# - local data path: dispatch alone 1018.6 us, combine alone 474.2 us (layer.txt), less the
+#   self-exchange of 4096 rows (74.4 us, h200x1_final/bench_T4096 and the exchange bench), over the
+#   compulsory 529 MB (T*H read + T*K*H written, bf16): 0.56 and 1.32 TB/s;
+# - elementwise: about 3.0 TB/s of a bf16 pass (../shared/NOTES.md: 3.0-3.3 TB/s measured);
+# - self link: the engine's self-exchange fitted at 1024-32768 rows (h200x1_topology/
+#   calibration.json): alpha 31.2 us per call, beta 1703 GB/s.
+# Links between GPUs cannot be measured with one GPU: public figures. NVLink 4 (H100/H200 HGX,
+# 450 GB/s per direction): DeepEP measures ~155 GB/s for all-to-all traffic on H800's 400 GB/s
+# NVLink, so 160 GB/s effective, 3 us; network: one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s),
+# DeepEP's internode kernels reach 43-58 GB/s RDMA: 45 GB/s, 8 us (topology.cost's defaults).
+H200_LINKS = CostModel(self=Link(31.2e-6, 1.703e12))
+H200 = Hardware(
+    name="H200 (HGX: 8 per node, NVLink 4, one 400G NIC per GPU)",
+    gpus_per_node=8,
+    links=H200_LINKS,
+    gemm_tflops=(567.0, 567.0, 337.0),
+    local_bw=(0.56e12, 1.32e12),
+    elementwise_bw=3.0e12,
+    sources=("docs/bench/h200x1_layer/gemm_sweep.txt", "docs/bench/h200x1_layer/layer.txt",
+             "docs/bench/h200x1_topology/calibration.json",
+             "DeepEP README (github.com/deepseek-ai/DeepEP): H800 NVLink ~160 GB/s, CX7 ~50 GB/s"),
+)
+# H800 for the validation against DeepEP's published figures, on their hardware: NVLink at
+# "~160 GB/s maximum bandwidth" and one CX7 400 Gb/s NIC at "~50 GB/s maximum" per GPU (DeepEP
+# README). Compute as H200 (H800 is an H100 with less NVLink: same SMs; not used by the anchors).
+H800 = dataclasses.replace(
+    H200, name="H800 (DeepEP's testbed: NVLink ~160 GB/s, CX7 400G ~50 GB/s)",
+    links=CostModel(self=Link(31.2e-6, 1.703e12), nvlink=Link(3e-6, 160e9),
+                    network=Link(8e-6, 50e9)),
+    sources=("DeepEP README (github.com/deepseek-ai/DeepEP), Performance section",))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """The MoE layer (DeepSeek-V3's by default) and the tokens each GPU holds."""
+
+    experts: int = 256
+    topk: int = 8
+    hidden: int = 7168
+    intermediate: int = 2048
+    tokens_per_gpu: int = 4096
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"LayerSpec: {f.name} must be a positive int, got {v!r}")
+        if self.topk > self.experts:
+            raise ValueError(f"LayerSpec: topk={self.topk} must be <= experts={self.experts}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How the layer runs: exchange ``plan``, ``wire`` format of dispatch, ``num_chunks`` of the
+    pipeline (1: serial), and an optional receive ``capacity_factor`` (rows per rank in units of
+    the balanced ``T * K``) that splits the pairs into dropless rounds."""
+
+    plan: str = "hierarchical"
+    wire: str = "bf16"
+    num_chunks: int = 1
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        if self.plan not in PLANS:
+            raise ValueError(f"Schedule: plan must be one of {PLANS}, got {self.plan!r}")
+        if self.wire not in WIRES:
+            raise ValueError(f"Schedule: wire must be one of {WIRES}, got {self.wire!r}")
+        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
+            raise ValueError(f"Schedule: num_chunks must be a positive int, got "
+                             f"{self.num_chunks!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"Schedule: capacity_factor must be > 0 or None, got "
+                             f"{self.capacity_factor!r}")
+
+    @property
+    def label(self) -> str:
+        s = f"{self.plan}, {self.wire}, " + (
+            "serial" if self.num_chunks == 1 else f"{self.num_chunks} chunks")
+        return s + (f", rounds at {self.capacity_factor:g}x" if self.capacity_factor else "")
+
+
+# --- routing draws -------------------------------------------------------------------------------
+
+def draw_routing(routing: str, n: int, spec: LayerSpec, gpus_per_node: int, *,
+                 sample_tokens: int = 512, seed: int = 0, max_nodes: int = 4,
+                 zipf_s: float = 0.8) -> dict[str, np.ndarray]:
+    """Count matrices of one routing draw, scaled to ``tokens_per_gpu``: ``tok[s, d]`` tokens rank
+    ``s`` sends rank ``d``, ``pairs[s, d]`` its (token, expert) pairs on ``d``, ``node_tok[s, b]``
+    tokens ``s`` sends node ``b``, ``load[d]`` (token, expert) rows rank ``d`` computes.
+    ``sample_tokens`` tokens per rank are drawn and the counts scaled (expectations are exact;
+    the spread across ranks shrinks with more samples).
+
+    - ``uniform``: ``topk`` distinct experts uniformly;
+    - ``zipf``: expert popularity ``~ 1 / rank^zipf_s`` over a random order of the experts;
+    - ``node_limited``: DeepSeek-V3's: ``max_nodes`` nodes by their best two scores, then the
+      top-k experts among theirs (uniform scores otherwise).
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    E, K, T = spec.experts, spec.topk, spec.tokens_per_gpu
+    if n < 1 or E % n:
+        raise ValueError(f"experts={E} must be divisible by the {n} ranks of the expert-parallel "
+                         f"group")
+    if n % gpus_per_node and n > gpus_per_node:
+        raise ValueError(f"the {n} ranks must fill whole nodes of {gpus_per_node} GPUs")
+    G = min(gpus_per_node, n)
+    N = n // G
+    Ts = min(sample_tokens, T)
+    rng = np.random.default_rng(seed)
+    logp = np.zeros(E)
+    if routing == "zipf":
+        logp = -zipf_s * np.log(1.0 + rng.permutation(E))
+    ids = np.zeros((n, Ts, K), np.int64)
+    for s in range(n):
+        scores = logp[None, :] + rng.gumbel(size=(Ts, E))
+        if routing == "node_limited" and N > max_nodes:
+            per_node = np.sort(scores.reshape(Ts, N, E // N), axis=2)[:, :, -2:].sum(2)
+            keep = np.argsort(-per_node, axis=1)[:, :max_nodes]
+            allowed = np.zeros((Ts, N), bool)
+            np.put_along_axis(allowed, keep, True, axis=1)
+            scores = np.where(np.repeat(allowed, E // N, axis=1), scores, -np.inf)
+        ids[s] = np.argpartition(-scores, K - 1, axis=1)[:, :K]  # distinct experts
+    counts = counts_from_ids(ids, E, G)
+    return {k: v * (T / Ts) for k, v in counts.items()}
+
+
+def counts_from_ids(ids, experts: int, gpus_per_node: int) -> dict[str, np.ndarray]:
+    """The count matrices (see :func:`draw_routing`) of explicit ``(ranks, tokens, topk)`` expert
+    ids (``-1``: none), rank by rank (no ``(ranks, tokens, ranks)`` array: thousands of ranks
+    are fine)."""
+    ids = np.asarray(ids)
+    if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be an integer array of shape (ranks, tokens, topk), got "
+                         f"{ids.dtype} {ids.shape}")
+    n, Ts, _ = ids.shape
+    if experts % n:
+        raise ValueError(f"experts={experts} must be divisible by the {n} ranks")
+    G = min(gpus_per_node, n)
+    if n % G:
+        raise ValueError(f"the {n} ranks must fill whole nodes of {G} GPUs")
+    N, L = n // G, experts // n
+    tok, pairs = np.zeros((n, n)), np.zeros((n, n))
+    node_tok = np.zeros((n, N))
+    rows = np.arange(Ts)[:, None]
+    for s in range(n):
+        valid = (ids[s] >= 0) & (ids[s] < experts)
+        dest = np.where(valid, ids[s] // L, n)  # n: not routed
+        hit = np.zeros((Ts, n + 1), bool)
+        hit[rows, dest] = True
+        hit = hit[:, :n]
+        tok[s] = hit.sum(0)
+        node_tok[s] = hit.reshape(Ts, N, G).any(2).sum(0)
+        pairs[s] = np.bincount(dest.ravel(), minlength=n + 1)[:n]
+    return dict(tok=tok, pairs=pairs, node_tok=node_tok, load=pairs.sum(0))
+
+
+def _forward_matrix(tok: np.ndarray, G: int) -> np.ndarray:
+    """Stage 2 of the hierarchical plan: forwarder ``(node of d, local index of s)`` sends ``d``
+    what ``s`` sent it (``topology.traffic.count_matrices``'s rule, vectorised)."""
+    n = tok.shape[0]
+    N = n // G
+    by_local = tok.reshape(N, G, n).sum(0)  # [l, d]: rows from sources of local index l to d
+    fwd = np.zeros((n, n))
+    for b in range(N):
+        fwd[b * G:(b + 1) * G, b * G:(b + 1) * G] = by_local[:, b * G:(b + 1) * G]
+    return fwd
+
+
+def traffic(counts: dict, n: int, G: int, spec: LayerSpec, schedule: Schedule) -> Traffic:
+    """The exchanges of one dispatch + combine for ``counts`` (:func:`draw_routing`), with the
+    wire's row bytes for dispatch (combine sends bf16 partial sums)."""
+    G = min(G, n)
+    topo = simulated(n // G, G)
+    plan = schedule.plan if n // G > 1 else "flat"  # one node: the plans coincide
+    # any 2-byte dtype prices bf16 rows (numpy has no bfloat16); dispatch's are replaced below
+    legs = _legs(plan, topo, counts["tok"], counts["node_tok"],
+                 _forward_matrix(counts["tok"], G), spec.hidden, np.float16, spec.topk, None)
+    disp = wire_row_bytes(spec.hidden, schedule.wire, spec.topk)
+    legs = tuple(dataclasses.replace(ex, row_bytes=disp) if ex.phase == "dispatch" else ex
+                 for ex in legs)
+    return Traffic(plan, topo, legs)
+
+
+# --- the event simulation ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Op:
+    name: str
+    stream: str  # "comm" or "compute"
+    seconds: np.ndarray  # (n,) per rank; a collective ends with its slowest rank
+    deps: tuple[int, ...]
+    collective: bool
+
+
+def simulate(ops: Sequence[_Op], n: int) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """Issue ``ops`` in order on in-order streams (per rank); returns each rank's end time and
+    each op's (start, end) per rank."""
+    free = {"comm": np.zeros(n), "compute": np.zeros(n)}
+    spans = []
+    for op in ops:
+        ready = free[op.stream].copy()
+        for d in op.deps:
+            ready = np.maximum(ready, spans[d][1])
+        if op.collective:  # every rank takes part: it starts when the last one is ready
+            start = np.full(n, ready.max())
+            end = start + op.seconds.max()
+        else:
+            start = ready
+            end = start + op.seconds
+        free[op.stream] = end
+        spans.append((start, end))
+    end = np.maximum(free["comm"], free["compute"])
+    return end, spans
+
+
+def _leg_seconds(links: CostModel, tr: Traffic, phase: str, scale: float) -> float:
+    t = 0.0
+    for ex in tr.exchanges:
+        if ex.phase == phase:
+            part = Traffic(tr.plan, tr.topology, (dataclasses.replace(ex, rows=ex.rows * scale),))
+            t += links.predict(part)["total"]
+    return t
+
+
+def layer_ops(hw: Hardware, spec: LayerSpec, schedule: Schedule, counts: dict, tr: Traffic,
+              n: int, backward: bool, tr_backward: Traffic | None = None) -> list[_Op]:
+    """The layer's operations in issue order (see the module docstring); ``tr_backward``: the
+    backward's traffic (bf16 whatever the forward's wire; default ``tr``)."""
+    T, K, H, I = spec.tokens_per_gpu, spec.topk, spec.hidden, spec.intermediate
+    load = counts["load"]  # (n,) (token, expert) rows per rank
+    C = schedule.num_chunks
+    rounds = 1
+    if schedule.capacity_factor:
+        cap = schedule.capacity_factor * T * K
+        rounds = max(1, math.ceil(load.max() / cap))
+    pieces = C * rounds
+    f = 1.0 / pieces
+    b = 2  # bf16 bytes
+    ones = np.ones(n)
+    gemm = lambda p, rows: rows * 6.0 * H * I / (hw.gemm_tflops[p] * 1e12)
+    # local passes: token rows read + expert rows written (dispatch; combine the reverse)
+    tok_in = counts["tok"].sum(0)  # token rows each rank receives
+    local_bytes = (tok_in + load) * H * b
+    disp_local = local_bytes / hw.local_bw[0]
+    comb_local = local_bytes / hw.local_bw[1]
+    swiglu = load * (3 * I) * b / hw.elementwise_bw  # read gate|up, write the activation
+    # backward only: the layout transposes tokamax's kernels need (weights for dlhs, inputs
+    # for drhs: w_in, w_out of the rank's experts, expert_x and the activation) read + written
+    L = spec.experts // n
+    transposes = 2 * b * (L * 3 * H * I + load * (H + I)) / hw.elementwise_bw
+    passes = [("forward", ("dispatch", "combine"), gemm(0, load), swiglu, 0.0)]
+    if backward:  # combine's transpose moves like dispatch, dispatch's like combine
+        passes.append(("backward", ("dispatch", "combine"),
+                       gemm(1, load) + gemm(2, load), 2 * swiglu, transposes))
+    ops: list[_Op] = []
+    for name, (first, second), experts_s, act_s, extra_s in passes:
+        tr_pass = tr if name == "forward" else (tr_backward or tr)
+        t_first = _leg_seconds(hw.links, tr_pass, first, f)
+        t_second = _leg_seconds(hw.links, tr_pass, second, f)
+        for r in range(rounds):
+            # pack on the compute stream, then the pipeline: comm stream D0 D1 C0 D2 C1 ...
+            order = []
+            for c in range(C + 1):
+                if c < C:
+                    order.append(("D", c))
+                if c >= 1:
+                    order.append(("C", c - 1))
+            idx = {}
+            pack = len(ops)
+            ops.append(_Op(f"{name} r{r} local ({first})", "compute", disp_local * f / 2,
+                           (len(ops) - 1,) if ops else (), False))
+            for kind, c in order:
+                if kind == "D":
+                    idx[("D", c)] = len(ops)
+                    ops.append(_Op(f"{name} r{r} {first} exchange c{c}", "comm",
+                                   ones * t_first, (pack,), True))
+                    # expand, experts, weighted sums of this chunk on the compute stream
+                    idx[("E", c)] = len(ops)
+                    ops.append(_Op(f"{name} r{r} experts c{c}", "compute",
+                                   disp_local * f / 2 + (experts_s + act_s + extra_s) * f
+                                   + comb_local * f / 2, (idx[("D", c)],), False))
+                else:
+                    idx[("C", c)] = len(ops)
+                    ops.append(_Op(f"{name} r{r} {second} exchange c{c}", "comm",
+                                   ones * t_second, (idx[("E", c)],), True))
+            ops.append(_Op(f"{name} r{r} local ({second} sum)", "compute", comb_local * f / 2,
+                           tuple(idx[("C", c)] for c in range(C)), False))
+    return ops
+
+
+def layer_time(hw: Hardware, spec: LayerSpec, schedule: Schedule, gpus: int, *,
+               routing: str = "uniform", ep: int | None = None, backward: bool = True,
+               seed: int = 0, sample_tokens: int = 512) -> dict:
+    """Model one layer (forward, and backward unless ``backward=False``) on ``gpus`` GPUs.
+
+    Returns seconds: ``time`` (the slowest rank), ``compute`` (its busy compute stream),
+    ``exchange`` (summed exchange time), ``exposed`` (time not covered by compute), and ``ep``,
+    ``rounds``, the bottleneck leg bytes."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    G = hw.gpus_per_node
+    if gpus > G and gpus % G:
+        raise ValueError(f"gpus={gpus} must be a multiple of gpus_per_node={G} (whole nodes)")
+    ep = ep if ep is not None else min(gpus, spec.experts)
+    if not isinstance(ep, int) or ep < 1 or gpus % ep:
+        raise ValueError(f"ep={ep!r} must be a positive int dividing gpus={gpus}")
+    if spec.experts % ep:
+        raise ValueError(f"experts={spec.experts} must be divisible by ep={ep} (expert-parallel "
+                         f"ranks)")
+    counts = draw_routing(routing, ep, spec, G, seed=seed, sample_tokens=sample_tokens)
+    tr = traffic(counts, ep, G, spec, schedule)
+    tr_b = tr if schedule.wire == "bf16" else traffic(
+        counts, ep, G, spec, dataclasses.replace(schedule, wire="bf16"))
+    ops = layer_ops(hw, spec, schedule, counts, tr, ep, backward, tr_b)
+    end, spans = simulate(ops, ep)
+    slow = int(np.argmax(end))
+    busy = sum(float(e[slow] - s[slow]) for op, (s, e) in zip(ops, spans)
+               if op.stream == "compute")
+    exch = sum(float(e[slow] - s[slow]) for op, (s, e) in zip(ops, spans)
+               if op.stream == "comm")
+    cf = schedule.capacity_factor
+    rounds = 1 if not cf else max(1, math.ceil(counts["load"].max() /
+                                               (cf * spec.tokens_per_gpu * spec.topk)))
+    return dict(gpus=gpus, ep=ep, time=float(end.max()), compute=busy, exchange=exch,
+                exposed=float(end.max()) - busy, rounds=rounds,
+                network_bytes=float(tr.network_bytes().max()))
+
+
+# --- weak scaling, validation, report ------------------------------------------------------------
+
+GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+SCHEDULES = (
+    Schedule("flat", "bf16", 1),
+    Schedule("hierarchical", "bf16", 1),
+    Schedule("hierarchical", "bf16", 4),
+    Schedule("hierarchical", "e4m3", 4),
+)
+
+
+def weak_scaling(hw: Hardware = H200, spec: LayerSpec = LayerSpec(),
+                 schedules: Sequence[Schedule] = SCHEDULES, gpus: Sequence[int] = GPU_COUNTS,
+                 routing: str = "node_limited", seed: int = 0, sample_tokens: int = 256) -> list:
+    """One row per (schedule, GPU count): the layer's forward+backward time and its weak-scaling
+    efficiency against the same schedule's first GPU count (tokens per GPU fixed)."""
+    rows = []
+    for sched in schedules:
+        base = None
+        for g in gpus:
+            r = layer_time(hw, spec, sched, g, routing=routing, seed=seed,
+                           sample_tokens=sample_tokens)
+            base = base or r["time"]
+            rows.append(dict(schedule=sched.label, routing=routing, **r,
+                             efficiency=base / r["time"]))
+    return rows
+
+
+# Published anchors on their hardware (DeepEP V1 on H800 + one CX7 400G NIC per GPU, hidden 7168,
+# top-8 of 256, FP8 dispatch (e4m3 + one float32 scale per 128) / BF16 combine;
+# github.com/deepseek-ai/DeepEP, docs/legacy.md "Performance", and tests/test_internode.py for
+# how the bandwidth is counted). Normal kernels, 4096 tokens per rank, top-4 groups (nodes):
+# "bottleneck bandwidth" = logical bytes / kernel time, the logical bytes counting the local rank
+# (intranode: every token row a rank receives; internode: every (token, node) pair a rank sends,
+# its own node included). Low-latency kernels, 128 tokens: latency.
+ANCHORS = (
+    dict(name="normal dispatch EP8 (NVLink)", ep=8, phase="dispatch", gbps=153.0),
+    dict(name="normal combine EP8 (NVLink)", ep=8, phase="combine", gbps=158.0),
+    dict(name="normal dispatch EP16 (RDMA)", ep=16, phase="dispatch", gbps=43.0),
+    dict(name="normal combine EP16 (RDMA)", ep=16, phase="combine", gbps=43.0),
+    dict(name="normal dispatch EP32 (RDMA)", ep=32, phase="dispatch", gbps=58.0),
+    dict(name="normal combine EP32 (RDMA)", ep=32, phase="combine", gbps=57.0),
+    dict(name="normal dispatch EP64 (RDMA)", ep=64, phase="dispatch", gbps=51.0),
+    dict(name="normal combine EP64 (RDMA)", ep=64, phase="combine", gbps=50.0),
+    dict(name="low-latency dispatch EP8, 128 tokens", ep=8, phase="dispatch", us=77.0),
+    dict(name="low-latency combine EP8, 128 tokens", ep=8, phase="combine", us=114.0),
+)
+
+
+def _phase_legs(links: CostModel, tr: Traffic, phase: str) -> list[float]:
+    return [links.predict(Traffic(tr.plan, tr.topology, (ex,)))["total"]
+            for ex in tr.exchanges if ex.phase == phase]
+
+
+def validate(hw: Hardware = H800, seed: int = 0) -> list:
+    """The model against each anchor (:data:`ANCHORS`) on the anchor's hardware, with the
+    anchor's byte counting. Two schedules of the legs: ``serial`` (ep_comm today: the
+    hierarchical plan's network stage, then the NVLink forward) and ``pipelined`` (DeepEP's
+    normal kernels forward chunks over NVLink while the network delivers the next: the slower
+    leg bounds the phase). The low-latency kernels send one row per (token, expert), not per
+    (token, rank), each straight to its rank (NVLink inside a node): the model prices those
+    rows on the flat plan."""
+    out = []
+    G = hw.gpus_per_node
+    for a in ANCHORS:
+        ll = "us" in a
+        ep, phase = a["ep"], a["phase"]
+        spec = LayerSpec(tokens_per_gpu=128 if ll else 4096)
+        routing = "uniform" if ep <= G else "node_limited"
+        counts = draw_routing(routing, ep, spec, G, seed=seed, sample_tokens=spec.tokens_per_gpu)
+        wire = "e4m3" if phase == "dispatch" else "bf16"
+        row = (spec.hidden * (1 + 4 / 128)) if wire == "e4m3" else 2 * spec.hidden
+        if ll:
+            per_expert = dict(counts, tok=counts["pairs"])
+            tr = traffic(per_expert, ep, G, spec, Schedule("flat", wire))
+            serial = pipelined = sum(_phase_legs(hw.links, tr, phase))
+            model, anchor, unit = serial * 1e6, a["us"], "us"
+            serial_v = model
+        else:
+            tr = traffic(counts, ep, G, spec, Schedule("hierarchical", wire))
+            legs = _phase_legs(hw.links, tr, phase)
+            serial, pipelined = sum(legs), max(legs)
+            if ep <= G:  # every token row the rank receives, its own included
+                logical = counts["tok"].sum(0).max() * row
+            else:  # every (token, node) pair the rank sends, its own node included
+                logical = counts["node_tok"].sum(1).max() * row
+            model, serial_v = logical / pipelined / 1e9, logical / serial / 1e9
+            anchor, unit = a["gbps"], "GB/s"
+        out.append(dict(anchor=a["name"], unit=unit, published=anchor, model=model,
+                        model_serial=serial_v, ratio=model / anchor,
+                        within_25pct=bool(abs(model / anchor - 1) <= 0.25)))
+    return out
+
+
+def one_gpu(hw: Hardware = H200, spec: LayerSpec = LayerSpec(experts=32)) -> dict:
+    """The one-GPU layer (every exchange a self copy) as the model prices it: forward and
+    forward+backward seconds, for the check against the measured layer."""
+    sched = Schedule("flat", "bf16", 1)
+    f = layer_time(hw, spec, sched, 1, backward=False, sample_tokens=spec.tokens_per_gpu)
+    fb = layer_time(hw, spec, sched, 1, backward=True, sample_tokens=spec.tokens_per_gpu)
+    return dict(forward=f["time"], fwd_bwd=fb["time"])
+
+
+def _table(rows: list, cols: Sequence[tuple[str, str, str]]) -> str:
+    """Columns ``(header, key, format)``; the first left-aligned, the rest right-aligned."""
+    width = lambda fmt: int(re.match(r"\d+", fmt).group())
+    lines = ["".join(f"{h:<{width(f)}}" if i == 0 else f"{h:>{width(f)}}"
+                     for i, (h, _, f) in enumerate(cols))]
+    for r in rows:
+        lines.append("".join(f"{str(r[k]):<{width(f)}}" if i == 0 else
+                             (f"{r[k]:{f}}" if not isinstance(r[k], (bool, str))
+                              else f"{str(r[k]):>{width(f)}}")
+                             for i, (_, k, f) in enumerate(cols)))
+    return "\n".join(lines)
+
+
+def plot(rows: list, path: str) -> bool:
+    """Efficiency against GPUs per schedule as a PNG; False (and a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"note: matplotlib is not installed: {path} not written "
+              f"(pip install 'ep_comm[plot]')", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(r["schedule"] for r in rows):
+        rs = [r for r in rows if r["schedule"] == label]
+        ax.plot([r["gpus"] for r in rs], [100 * r["efficiency"] for r in rs], marker="o",
+                label=label)
+    ax.axhline(97, color="grey", linestyle="--", linewidth=1, label="97% (the seed's claim)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs (tokens per GPU fixed)")
+    ax.set_ylabel("weak-scaling efficiency vs 8 GPUs (%)")
+    ax.set_title("DeepSeek-V3 MoE layer, forward+backward (model)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m topology.scale", description=__doc__.split(
+        "\n")[0])
+    ap.add_argument("--gpus", default=",".join(map(str, GPU_COUNTS)),
+                    help="comma-separated GPU counts (whole nodes of 8)")
+    ap.add_argument("--routing", default="node_limited", choices=ROUTINGS)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
+    ap.add_argument("--sample-tokens", type=int, default=256,
+                    help="tokens drawn per rank for the routing (counts are scaled up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args(argv)
+    try:
+        gpus = [int(g) for g in args.gpus.split(",")]
+    except ValueError:
+        ap.error(f"--gpus must be comma-separated integers, got {args.gpus!r}")
+    spec = LayerSpec(tokens_per_gpu=args.tokens)
+    rows = weak_scaling(H200, spec, SCHEDULES, gpus, args.routing, args.seed, args.sample_tokens)
+    val = validate(H800, args.seed)
+    one = one_gpu()
+    print(f"# scale model: {H200.name}; DeepSeek-V3 layer (E={spec.experts}, top-{spec.topk}, "
+          f"H={spec.hidden}, I={spec.intermediate}), {spec.tokens_per_gpu} tokens per GPU, "
+          f"{args.routing} routing; forward+backward; ep = min(GPUs, experts)")
+    for r in rows:
+        r["time_ms"], r["exposed_ms"], r["compute_ms"] = (1e3 * r["time"], 1e3 * r["exposed"],
+                                                          1e3 * r["compute"])
+        r["eff_pct"] = 100 * r["efficiency"]
+        r["net_MB"] = r["network_bytes"] / 1e6
+    print(_table(rows, [("schedule", "schedule", "32"), ("GPUs", "gpus", "6d"),
+                        ("ep", "ep", "5d"), ("time(ms)", "time_ms", "10.2f"),
+                        ("compute", "compute_ms", "9.2f"), ("exposed", "exposed_ms", "9.2f"),
+                        ("net MB", "net_MB", "9.1f"), ("eff %", "eff_pct", "8.1f")]))
+    print("\n# validation against published figures (model on the anchor's hardware: "
+          f"{H800.name})")
+    print(_table(val, [("DeepEP V1 anchor", "anchor", "40"), ("unit", "unit", "6"),
+                       ("published", "published", "10.1f"), ("model", "model", "9.1f"),
+                       ("ratio", "ratio", "7.2f"), ("±25%", "within_25pct", "6"),
+                       ("legs serial", "model_serial", "12.1f")]))
+    print(f"\n# one GPU (32 experts, self exchanges), model: forward {1e3 * one['forward']:.2f} ms, "
+          f"forward+backward {1e3 * one['fwd_bwd']:.2f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(hardware=H200.name, spec=dataclasses.asdict(spec), scaling=rows,
+                           validation=val, one_gpu=one), f, indent=1)
+    if args.png:
+        plot(rows, args.png)
+    return dict(scaling=rows, validation=val, one_gpu=one)
+
+
+if __name__ == "__main__":
+    main()
