@@ -583,6 +583,16 @@ def _table(rows: list, cols: Sequence[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _display_units(rows: list) -> None:
+    """Add ms / % / MB copies of the seconds, efficiency and bytes fields the rows have."""
+    for r in rows:
+        for key, new, scale in (("time", "time_ms", 1e3), ("exposed", "exposed_ms", 1e3),
+                                ("compute", "compute_ms", 1e3), ("efficiency", "eff_pct", 100),
+                                ("network_bytes", "net_MB", 1e-6)):
+            if key in r:
+                r[new] = scale * r[key]
+
+
 def plot(rows: list, path: str) -> bool:
     """Efficiency against GPUs per schedule as a PNG; False (and a note) without matplotlib."""
     try:
@@ -635,11 +645,7 @@ def main(argv=None):
     print(f"# scale model: {H200.name}; DeepSeek-V3 layer (E={spec.experts}, top-{spec.topk}, "
           f"H={spec.hidden}, I={spec.intermediate}), {spec.tokens_per_gpu} tokens per GPU, "
           f"{args.routing} routing; forward+backward; ep = min(GPUs, experts)")
-    for r in rows:
-        r["time_ms"], r["exposed_ms"], r["compute_ms"] = (1e3 * r["time"], 1e3 * r["exposed"],
-                                                          1e3 * r["compute"])
-        r["eff_pct"] = 100 * r["efficiency"]
-        r["net_MB"] = r["network_bytes"] / 1e6
+    _display_units(rows)
     print(_table(rows, [("schedule", "schedule", "32"), ("GPUs", "gpus", "6d"),
                         ("ep", "ep", "5d"), ("time(ms)", "time_ms", "10.2f"),
                         ("compute", "compute_ms", "9.2f"), ("exposed", "exposed_ms", "9.2f"),
@@ -660,9 +666,7 @@ def main(argv=None):
     print(f"\n# which schedules reach 97% weak-scaling efficiency at {gmax} GPUs "
           f"(hierarchical plan; network: 400G NICs per GPU, {H200.links.network.beta / 1e9:g} "
           f"GB/s each)")
-    for r in grid:
-        r["time_ms"], r["exposed_ms"], r["eff_pct"] = (1e3 * r["time"], 1e3 * r["exposed"],
-                                                       100 * r["efficiency"])
+    _display_units(grid)
     print(_table(grid, [("NICs", "nics", "6d"), ("schedule", "schedule", "30"),
                         ("time(ms)", "time_ms", "10.2f"), ("exposed", "exposed_ms", "9.2f"),
                         ("eff %", "eff_pct", "8.1f"), ("97%?", "reaches", "6")]))
