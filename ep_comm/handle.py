@@ -86,4 +86,4 @@ def link_bytes(handle: "EPHandle", hidden: int, dtype) -> jax.Array:
 
 def row_bytes(cfg: EPConfig, hidden: int, dtype) -> tuple[int, int]:
     """Bytes of one dispatch row (token + routing) and of one combine row (partial sum)."""
-    return _traffic_row_bytes(hidden, dtype, cfg.topk, cfg.combine_dtype)
+    return _traffic_row_bytes(hidden, dtype, cfg.topk, cfg.combine_dtype, cfg.wire_format)

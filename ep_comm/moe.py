@@ -25,14 +25,19 @@ Everything is static-shaped and deterministic, differentiable end to end (``x``,
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ep_comm import plan as plans
 from ep_comm.config import EPConfig
 from ep_comm.expand import expand
 from ep_comm.handle import EPHandle
-from ep_comm.layout import check_topk_ids, layout_and_routes
+from ep_comm.layout import check_topk_ids, layout_and_routes, repeats_earlier
+from ep_comm import wire
 from ep_comm.overflow import runtime_check
 from ep_comm.rows import gather_sum
 from ep_comm.routes import exchange, exclusive_cumsum, flat_route, hierarchical_route, link_rows
@@ -54,7 +59,7 @@ def _check_axis(api: str, config: EPConfig) -> None:
                          f"{config.axis_name!r} has size {n}")
 
 
-def dispatch(x, topk_ids, topk_weights, config: EPConfig):
+def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: bool = False):
     """Send each token to the ranks holding its experts; group received rows by local expert.
 
     Call inside ``jax.shard_map`` over ``config.axis_name``. ``config.plan`` picks the route
@@ -65,7 +70,14 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
       x: ``(T, H)`` floating; this rank's tokens, ``T = config.tokens_per_rank``.
       topk_ids: ``(T, topk)`` integer expert ids in ``[0, num_experts)``; ``-1`` = no expert.
       topk_weights: ``(T, topk)`` floating router weights (differentiable).
-      config: :class:`EPConfig`.
+      config: :class:`EPConfig`. With ``config.wire_format`` set, token rows cross the wire in
+        FP8 (:mod:`ep_comm.wire`) and ``expert_x`` holds their dequantized values; the gradient
+        with respect to ``x`` is straight-through (the quantization counts as the identity) and
+        runs in full precision: an unweighted combine of ``d expert_x``.
+      return_quantized: with ``config.wire_format`` set, return ``expert_x`` as the received
+        ``(values, scales)`` (``float8_e4m3fn`` ``(expert_rows, H)`` and the per-block scales:
+        float32, or uint8 e8m0 exponents for ``"mxfp8"``) for an FP8 grouped GEMM. Not
+        differentiable in ``x`` (differentiating through it raises).
 
     Returns:
       ``(expert_x, handle)``: ``expert_x`` is ``(config.expert_rows, H)`` in ``x.dtype``, rows
@@ -80,6 +92,9 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     if x.ndim != 2 or x.shape[0] != T or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{api}: x must be a floating array of shape (tokens_per_rank, hidden) = "
                          f"({T}, hidden), got {x.dtype} {tuple(x.shape)}")
+    if return_quantized and cfg.wire_format is None:
+        raise ValueError(f"{api}: return_quantized=True needs config.wire_format ('e4m3' or "
+                         f"'mxfp8'), got None")
     topk_ids = check_topk_ids(api, topk_ids, T, K)
     topk_weights = jnp.asarray(topk_weights)
     check_float(api, "topk_weights", topk_weights, (T, K))
@@ -109,11 +124,13 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
 
     # 3. move tokens and routing (weights, and ids as float32: exact below 2**24) to the ranks.
     route = jnp.concatenate([topk_weights.astype(jnp.float32), topk_ids.astype(jnp.float32)], 1)
+    # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes
+    rows = x if cfg.wire_format is None else wire.pack_rows(x, cfg.wire_format)
     if hierarchical:
-        moved = hierarchical_route(cfg, plan, x, route, node, in_node, kept, counts[:, 2 * n:],
-                                   me)
+        moved = hierarchical_route(cfg, plan, rows, route, node, in_node, kept,
+                                   counts[:, 2 * n:], me)
     else:
-        moved = flat_route(cfg, plan, x, route, dest, tok, kept, me)
+        moved = flat_route(cfg, plan, rows, route, dest, tok, kept, me)
 
     # 4. expand into groups contiguous per local expert.
     num_recv = jnp.sum(kept[:, me])
@@ -138,7 +155,60 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig):
     )
     if cfg.overflow == "raise":
         handle = runtime_check(handle)
-    return ex.expert_x, handle
+    if cfg.wire_format is None:
+        return ex.expert_x, handle
+    values, scales = wire.unpack_rows(ex.expert_x, x.shape[1], cfg.wire_format)
+    if return_quantized:
+        return (_not_differentiable(values, x), scales), handle
+    expert_x = wire.dequantize(values, scales, cfg.wire_format, x.dtype)
+    return _straight_through(expert_x, x, handle), handle
+
+
+def _float0_like(tree):
+    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0)
+                        if not jnp.issubdtype(a.dtype, jnp.inexact) else jnp.zeros_like(a), tree)
+
+
+@jax.custom_vjp
+def _straight_through(expert_x, x, handle):
+    """``expert_x`` (the dequantized received rows), differentiable in ``x`` as if the wire were
+    exact: dispatch's transpose, an unweighted combine (each expert row once)."""
+    return expert_x
+
+
+def _straight_through_fwd(expert_x, x, handle):
+    return expert_x, (handle, x[:0])
+
+
+def _straight_through_bwd(res, g):
+    handle, like = res
+    C = handle.config.expert_rows
+    first = (handle.recv_pos < C) & ~repeats_earlier(handle.recv_pos)
+    unit = dataclasses.replace(handle, recv_weights=first.astype(jnp.float32))
+    d_x = combine(g, unit).astype(like.dtype)
+    return jnp.zeros_like(g), d_x, _float0_like(handle)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+@jax.custom_vjp
+def _not_differentiable(values, x):
+    return values
+
+
+def _not_differentiable_fwd(values, x):
+    return values, None
+
+
+def _not_differentiable_bwd(_, g):
+    raise NotImplementedError(
+        "dispatch(return_quantized=True) is not differentiable in x: the FP8 values are bytes "
+        "on the wire; differentiate with return_quantized=False (the dequantized expert_x, "
+        "whose gradient is straight-through)")
+
+
+_not_differentiable.defvjp(_not_differentiable_fwd, _not_differentiable_bwd)
 
 
 def combine(expert_y, handle: EPHandle):

@@ -115,7 +115,8 @@ def predict(cfg: EPConfig, topo: topo_mod.Topology, hidden: int, dtype) -> dict[
         t = topo_mod.expected_traffic(num_experts=cfg.num_experts, topk=cfg.topk,
                                       tokens_per_rank=cfg.tokens_per_rank, topology=topo,
                                       hidden=hidden, dtype=np.dtype(dtype), plan=kind,
-                                      combine_dtype=cfg.combine_dtype)
+                                      combine_dtype=cfg.combine_dtype,
+                                      wire_format=cfg.wire_format)
         out[kind] = model.predict(t)
     return out
 

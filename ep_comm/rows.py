@@ -39,7 +39,6 @@ def _take(table, idx):
                      jnp.zeros((), table.dtype))
 
 
-@jax.custom_vjp
 def gather_rows(table, idx, inv):
     """``out[i] = table[idx[i]]``, zero where ``idx[i]`` is outside ``[0, len(table))``.
 
@@ -49,7 +48,17 @@ def gather_rows(table, idx, inv):
       inv: ``(N, J)`` integer; row ``r`` lists every ``i`` with ``idx[i] == r`` (each once; entries
         outside ``[0, M)`` are empty). The caller knows it from the same layout that made ``idx``;
         it makes the transpose ``d_table[r] = sum_j d_out[inv[r, j]]`` a gather.
+
+    An integer ``table`` (FP8 rows as bytes on the wire) is gathered the same way; it has no
+    gradient.
     """
+    if not jnp.issubdtype(table.dtype, jnp.floating):
+        return _take(table, idx)
+    return _gather_rows(table, idx, inv)
+
+
+@jax.custom_vjp
+def _gather_rows(table, idx, inv):
     return _take(table, idx)
 
 
@@ -63,7 +72,7 @@ def _gather_rows_bwd(res, d_out):
     return _like(d_table, like), _int_zero(idx), _int_zero(inv)
 
 
-gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def _like(ct, primal):

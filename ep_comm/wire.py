@@ -29,7 +29,6 @@ on the GPU too.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +46,30 @@ def check_format(api: str, wire_format) -> None:
         raise ValueError(f"{api}: wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
 
 
-def row_bytes(hidden: int, wire_format) -> int:
-    """Bytes of one token row of ``hidden`` elements on the wire, scales included (bf16 when
-    ``wire_format`` is None)."""
-    check_format("row_bytes", wire_format)
-    if wire_format is None:
-        return 2 * hidden
-    blocks = math.ceil(hidden / BLOCK[wire_format])
-    return hidden + blocks * (4 if wire_format == "e4m3" else 1)
+def pack_rows(x, wire_format: str):
+    """``(T, H)`` rows as the bytes dispatch sends: the e4m3 values, then the row's scales
+    (float32 as 4 bytes each, or e8m0 bytes); ``(T, topology.token_bytes(H, ..., wire_format))``
+    uint8. No gradient flows through bytes: dispatch attaches the straight-through one."""
+    values, scales = quantize(x, wire_format)
+    T = values.shape[0]
+    parts = [jax.lax.bitcast_convert_type(values, jnp.uint8)]
+    if wire_format == "e4m3":
+        parts.append(jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(T, -1))
+    else:
+        parts.append(scales)
+    return jnp.concatenate(parts, axis=1)
+
+
+def unpack_rows(rows, hidden: int, wire_format: str):
+    """``(values, scales)`` of rows :func:`pack_rows` made (all-zero rows give zeros)."""
+    C = rows.shape[0]
+    values = jax.lax.bitcast_convert_type(rows[:, :hidden], jnp.float8_e4m3fn)
+    tail = rows[:, hidden:]
+    if wire_format == "e4m3":
+        scales = jax.lax.bitcast_convert_type(tail.reshape(C, -1, 4), jnp.float32)
+    else:
+        scales = tail
+    return values, scales
 
 
 def _blocks(x, block):

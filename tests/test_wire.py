@@ -1,6 +1,7 @@
 """ep_comm.wire: FP8 row quantization (e4m3 with float32 block scales, OCP MXFP8), against bounds
 derived from the formats and a numpy reference of the MX rules."""
 
+import dataclasses
 import re
 
 import jax
@@ -8,7 +9,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import ep_comm
+import topology
 from ep_comm import wire
 
 FORMATS = ["e4m3", "mxfp8"]
@@ -94,10 +98,17 @@ def test_non_finite_blocks_become_nan_and_zero_rows_stay_zero(fmt):
 
 
 def test_wire_bytes():
-    assert wire.row_bytes(7168, None) == 14336
-    assert wire.row_bytes(7168, "e4m3") == 7168 + 56 * 4  # 0.516x of bf16
-    assert wire.row_bytes(7168, "mxfp8") == 7168 + 224
-    assert wire.row_bytes(7168, "e4m3") / wire.row_bytes(7168, None) <= 0.53
+    tb = topology.token_bytes
+    assert tb(7168, jnp.bfloat16) == 14336
+    assert tb(7168, jnp.bfloat16, "e4m3") == 7168 + 56 * 4  # 0.516x of bf16
+    assert tb(7168, jnp.bfloat16, "mxfp8") == 7168 + 224
+    assert tb(7168, jnp.bfloat16, "e4m3") / tb(7168, jnp.bfloat16) <= 0.53
+    # the packed rows dispatch sends are exactly that long
+    for fmt in FORMATS:
+        rows = wire.pack_rows(jnp.ones((2, 7168), jnp.bfloat16), fmt)
+        assert rows.dtype == jnp.uint8 and rows.shape == (2, tb(7168, jnp.bfloat16, fmt))
+        v, s = wire.unpack_rows(rows, 7168, fmt)
+        np.testing.assert_array_equal(wire.dequantize(v, s, fmt, jnp.float32), 1.0)
 
 
 def test_fake_quantize_is_straight_through():
@@ -117,5 +128,143 @@ def test_bad_input():
             "quantize: x must be a floating array of shape (tokens, hidden), got int32 (4,)")):
         wire.quantize(jnp.ones((4,), jnp.int32), "e4m3")
     with pytest.raises(ValueError, match=re.escape(
-            "row_bytes: wire_format must be one of (None, 'e4m3', 'mxfp8'), got 'bf8'")):
-        wire.row_bytes(16, "bf8")
+            "wire_format must be one of (None, 'e4m3', 'mxfp8'), got 'bf8'")):
+        topology.token_bytes(16, jnp.bfloat16, "bf8")
+
+
+# ---- FP8 rows through dispatch (EPConfig.wire_format) ---------------------------------------------
+
+def _cfg(n, fmt, backend="portable", **kw):
+    from conftest import needs_backend
+    needs_backend(backend)
+    return ep_comm.EPConfig(axis_name="ep", num_ranks=n, num_experts=4 * n, topk=4,
+                            tokens_per_rank=16, backend=backend, wire_format=fmt, **kw)
+
+
+def _inputs(n, seed=0, H=160):
+    from moe_reference import routing
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n * 16, H)) * np.exp(rng.standard_normal((n * 16, 1)))).astype(
+        np.float32)
+    ids = routing(rng, "random", n, 16, 4, 4 * n)
+    w = rng.random((n * 16, 4)).astype(np.float32)
+    return x, ids, w
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["portable", "mpi"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_dispatch_equals_dispatch_of_the_quantized_rows(sharded, n, fmt, backend):
+    """expert_x through an FP8 wire is, bit for bit, the full-precision dispatch of the rows as
+    the wire quantizes them; combine and every handle field agree too; the gradients are the
+    straight-through ones (the full-precision dispatch's transpose)."""
+    cfg = _cfg(n, fmt, backend)
+    ref_cfg = dataclasses.replace(cfg, wire_format=None)
+    x, ids, w = _inputs(n)
+    cot = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+
+    def program(c, pre):
+        def f(x, ids, w, cot):
+            def loss(x, w):
+                ex, h = ep_comm.dispatch(pre(x), ids, w, c)
+                return jnp.sum(ep_comm.combine(ex * 1.5, h) * cot), (ex, h)
+            (_, (ex, h)), g = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            return ex, h.group_sizes, g
+        return sharded.smap(f)
+
+    got = sharded.get(program(cfg, lambda a: a)(*sharded.put(x, ids, w, cot)))
+    want = sharded.get(program(ref_cfg, lambda a: wire.fake_quantize(a, fmt))(
+        *sharded.put(x, ids, w, cot)))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[2][0], want[2][0], rtol=1e-6, atol=1e-6)  # d x
+    np.testing.assert_allclose(got[2][1], want[2][1], rtol=1e-6, atol=1e-6)  # d weights
+
+
+def test_fp8_hierarchical_equals_flat(n):
+    import topology
+    if n < 4 or n % 2:
+        pytest.skip("the hierarchical plan needs 2 nodes of 2+ devices")
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, ids, w = _inputs(n, seed=3)
+    outs = []
+    for plan in ("flat", "hierarchical"):
+        cfg = _cfg(n, "mxfp8", plan=plan, topology=topology.simulated(2, n // 2))
+        f = jax.jit(jax.shard_map(lambda x, ids, w, c=cfg: ep_comm.dispatch(x, ids, w, c)[0],
+                                  mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        outs.append(np.asarray(f(x, ids, w)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_return_quantized_values_and_bytes_counted(sharded, n):
+    cfg = _cfg(n, "e4m3")
+    x, ids, w = _inputs(n, seed=2)
+
+    def f(x, ids, w):
+        (v, s), h = ep_comm.dispatch(x, ids, w, cfg, return_quantized=True)
+        ex, _ = ep_comm.dispatch(x, ids, w, cfg)
+        return v, s, ex, ep_comm.link_bytes(h, x.shape[1], x.dtype), h.link_rows
+    v, s, ex, nbytes, rows = sharded.get(sharded.smap(f)(*sharded.put(x, ids, w)))
+    assert v.dtype == jnp.float8_e4m3fn and s.dtype == np.float32
+    np.testing.assert_array_equal(
+        np.asarray(wire.dequantize(jnp.asarray(v), jnp.asarray(s), "e4m3", jnp.float32)), ex)
+    row = 160 + 2 * 4 + 8 * 4  # 160 e4m3 values, 2 float32 scales, routing (weights and ids)
+    np.testing.assert_array_equal(nbytes.reshape(n, 2, -1)[:, 0], rows.reshape(n, 2, -1)[:, 0]
+                                  * row)
+
+
+def test_return_quantized_is_not_differentiable(sharded, n):
+    cfg = _cfg(n, "mxfp8")
+    x, ids, w = _inputs(n)
+
+    def f(x, ids, w):
+        def loss(x):
+            (v, _), _ = ep_comm.dispatch(x, ids, w, cfg, return_quantized=True)
+            return jnp.sum(v.astype(jnp.float32))
+        return jax.grad(loss)(x)
+    with pytest.raises(NotImplementedError, match=re.escape(
+            "dispatch(return_quantized=True) is not differentiable in x")):
+        sharded.smap(f)(*sharded.put(x, ids, w))
+
+
+def test_fp8_layer_close_to_bf16(sharded, n):
+    """The whole layer with an e4m3 wire: outputs within the quantization's bound of the bf16
+    wire's, gradients straight-through (the dequantized rows' error only)."""
+    cfg = _cfg(n, "e4m3")
+    x, ids, w = _inputs(n, seed=4, H=64)
+    rng = np.random.default_rng(5)
+    L = cfg.experts_per_rank
+    w_in = (rng.standard_normal((4 * n, 64, 32)) / 8).astype(np.float32)
+    w_out = (rng.standard_normal((4 * n, 16, 64)) / 4).astype(np.float32)
+
+    def program(c):
+        def f(x, ids, w, wi, wo):
+            def loss(x, wi):
+                y = ep_comm.moe_layer(x, ids, w, c, w_in=wi, w_out=wo)
+                return jnp.sum(y ** 2), y
+            (_, y), g = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, wi)
+            return y, g[0], g[1]
+        return sharded.smap(f)
+    args = sharded.put(x, ids, w, w_in, w_out)
+    y8, gx8, gw8 = sharded.get(program(cfg)(*args))
+    y, gx, gw = sharded.get(program(dataclasses.replace(cfg, wire_format=None))(*args))
+    assert L == 4
+    scale = np.abs(y).max()
+    np.testing.assert_allclose(y8, y, atol=2.0 ** -4 * 4 * scale)
+    np.testing.assert_allclose(gx8, gx, atol=2.0 ** -3 * np.abs(gx).max())
+    np.testing.assert_allclose(gw8, gw, atol=2.0 ** -3 * np.abs(gw).max())
+
+
+def test_wire_format_is_validated():
+    with pytest.raises(ValueError, match=re.escape(
+            "EPConfig: wire_format must be one of (None, 'e4m3', 'mxfp8'), got 'fp8'")):
+        ep_comm.EPConfig("ep", 1, 4, 2, 8, wire_format="fp8")
+    cfg = ep_comm.EPConfig("ep", 1, 4, 2, 8)
+    with pytest.raises(ValueError, match=re.escape(
+            "dispatch: return_quantized=True needs config.wire_format ('e4m3' or 'mxfp8'), "
+            "got None")):
+        jax.shard_map(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg, return_quantized=True)[0],
+                      mesh=jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1],
+                                         axis_types=(jax.sharding.AxisType.Auto,)),
+                      in_specs=P("ep"), out_specs=P("ep"))(
+            jnp.ones((8, 4)), jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2)))

@@ -6,12 +6,13 @@ from topology.cost import H200_DEFAULTS, CostModel, Link
 from topology.machine import (ENV, LINK_CLASSES, Device, Node, Topology, current, discover, known,
                               parse, simulated)
 from topology.routing import Routing, group_limited_topk, node_limited_topk
-from topology.traffic import (PLANS, Exchange, Traffic, count_matrices, count_traffic,
-                              expected_traffic, link_matrix, row_bytes)
+from topology.traffic import (PLANS, WIRE_FORMATS, Exchange, Traffic, count_matrices,
+                              count_traffic, expected_traffic, link_matrix, row_bytes,
+                              token_bytes)
 
 __all__ = [
     "CostModel", "Device", "ENV", "Exchange", "H200_DEFAULTS", "LINK_CLASSES",
     "Link", "Node", "PLANS", "Routing", "Topology", "Traffic", "count_matrices", "count_traffic",
     "current", "discover", "expected_traffic", "group_limited_topk", "known", "link_matrix",
-    "node_limited_topk", "parse", "row_bytes", "simulated",
+    "node_limited_topk", "parse", "row_bytes", "simulated", "token_bytes", "WIRE_FORMATS",
 ]

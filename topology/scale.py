@@ -46,7 +46,7 @@ import numpy as np
 
 from topology.cost import CostModel, Link
 from topology.machine import simulated
-from topology.traffic import PLANS, Traffic, _legs
+from topology.traffic import PLANS, Traffic, _legs, row_bytes
 
 WIRES = ("bf16", "e4m3", "mxfp8")
 ROUTINGS = ("uniform", "zipf", "node_limited")
@@ -56,12 +56,10 @@ PASSES = ("forward", "dlhs", "drhs")
 def wire_row_bytes(hidden: int, wire: str, topk: int) -> int:
     """Bytes of one dispatch row on the wire: the token (bf16; e4m3 with one float32 scale per 128
     elements, DeepEP's layout; MXFP8 with one e8m0 byte per 32) and its routing (``2 * topk``
-    float32: weights and ids)."""
+    float32: weights and ids); ``topology.row_bytes``'s count."""
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
-    token = {"bf16": 2 * hidden, "e4m3": hidden + 4 * math.ceil(hidden / 128),
-             "mxfp8": hidden + math.ceil(hidden / 32)}[wire]
-    return token + 8 * topk
+    return row_bytes(hidden, np.float16, topk, None, None if wire == "bf16" else wire)[0]
 
 
 @dataclasses.dataclass(frozen=True)

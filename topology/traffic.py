@@ -30,6 +30,20 @@ import numpy as np
 from topology.machine import LINK_CLASSES, Topology
 
 PLANS = ("flat", "hierarchical")
+# dispatch's token row formats on the wire (ep_comm.wire): None = the tokens' own dtype; FP8 e4m3
+# values with one float32 scale per 128 elements, or OCP MXFP8 (one e8m0 byte per 32 elements)
+WIRE_FORMATS = (None, "e4m3", "mxfp8")
+_WIRE_BLOCK = {"e4m3": (128, 4), "mxfp8": (32, 1)}  # elements per scale, bytes per scale
+
+
+def token_bytes(hidden: int, dtype, wire_format=None) -> int:
+    """Bytes of one token row on the wire, scales included."""
+    if wire_format not in WIRE_FORMATS:
+        raise ValueError(f"wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
+    if wire_format is None:
+        return hidden * np.dtype(dtype).itemsize
+    block, per_scale = _WIRE_BLOCK[wire_format]
+    return hidden + -(-hidden // block) * per_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +123,22 @@ def _check_plan(plan: str, owner: str) -> None:
         raise ValueError(f"{owner}: plan must be one of {PLANS}, got {plan!r}")
 
 
-def row_bytes(hidden: int, dtype, topk: int, combine_dtype=None) -> tuple[int, int]:
-    """Bytes of one dispatch row (``hidden`` elements of ``dtype`` and ``2 * topk`` float32 of
-    routing) and of one combine row (``hidden`` elements of ``combine_dtype``, default ``dtype``).
-    """
-    b = np.dtype(dtype).itemsize
+def row_bytes(hidden: int, dtype, topk: int, combine_dtype=None,
+              wire_format=None) -> tuple[int, int]:
+    """Bytes of one dispatch row (the token as ``wire_format`` sends it: ``hidden`` elements of
+    ``dtype``, or FP8 with its scales; and ``2 * topk`` float32 of routing) and of one combine row
+    (``hidden`` elements of ``combine_dtype``, default ``dtype``)."""
     wire = np.dtype(combine_dtype if combine_dtype is not None else dtype).itemsize
-    return hidden * b + 2 * topk * 4, hidden * wire
+    return token_bytes(hidden, dtype, wire_format) + 2 * topk * 4, hidden * wire
 
 
 def _legs(plan: str, topology: Topology, kept: np.ndarray, node_tok: np.ndarray,
-          fwd: np.ndarray, hidden: int, dtype, topk: int, combine_dtype) -> tuple[Exchange, ...]:
+          fwd: np.ndarray, hidden: int, dtype, topk: int, combine_dtype,
+          wire_format=None) -> tuple[Exchange, ...]:
     """Legs from the count matrices (exact or expected): ``kept[s, d]`` tokens s sends d that d
     keeps, ``node_tok[s, b]`` tokens s->node b, ``fwd[f, d]`` rows forwarder f sends to d in
     stage 2."""
-    disp, comb_ = row_bytes(hidden, dtype, topk, combine_dtype)
+    disp, comb_ = row_bytes(hidden, dtype, topk, combine_dtype, wire_format)
     if plan == "flat":
         return (Exchange("dispatch exchange", "dispatch", kept, disp, 2),
                 Exchange("combine exchange", "combine", kept.T.copy(), comb_, 1))
@@ -178,7 +193,8 @@ def count_matrices(topk_ids, num_experts: int, topology: Topology,
 
 
 def count_traffic(topk_ids, *, num_experts: int, topology: Topology, hidden: int, dtype,
-                  plan: str, combine_dtype=None, recv_token_rows: int | None = None) -> Traffic:
+                  plan: str, combine_dtype=None, recv_token_rows: int | None = None,
+                  wire_format=None) -> Traffic:
     """Exact traffic of one routing.
 
     Args:
@@ -190,12 +206,14 @@ def count_traffic(topk_ids, *, num_experts: int, topology: Topology, hidden: int
       combine_dtype: dtype of the partial sums sent back (default ``dtype``).
       recv_token_rows: rows of each rank's token receive buffer
         (``EPConfig.recv_token_rows``; default: the dropless worst case).
+      wire_format: dispatch's token format on the wire (:data:`WIRE_FORMATS`).
     """
     _check_plan(plan, "count_traffic")
     m = count_matrices(topk_ids, num_experts, topology, recv_token_rows)
     K = np.asarray(topk_ids).shape[2]
     return Traffic(plan, topology, _legs(plan, topology, m["kept"], m["node_tok"],
-                                         m["fwd"], hidden, dtype, K, combine_dtype))
+                                         m["fwd"], hidden, dtype, K, combine_dtype,
+                                         wire_format))
 
 
 def _p_any(num_experts: int, topk: int, hit_experts: int) -> float:
@@ -205,7 +223,8 @@ def _p_any(num_experts: int, topk: int, hit_experts: int) -> float:
 
 
 def expected_traffic(*, num_experts: int, topk: int, tokens_per_rank: int, topology: Topology,
-                     hidden: int, dtype, plan: str, combine_dtype=None) -> Traffic:
+                     hidden: int, dtype, plan: str, combine_dtype=None,
+                     wire_format=None) -> Traffic:
     """Expected traffic when every token picks ``topk`` distinct experts uniformly at random
     (balanced routing, no capacity limit): the rows matrices hold expectations (floats)."""
     _check_plan(plan, "expected_traffic")
@@ -226,4 +245,4 @@ def expected_traffic(*, num_experts: int, topk: int, tokens_per_rank: int, topol
         for lf in range(G):
             fwd[(d // G) * G + lf, d] = N * T * p_rank
     return Traffic(plan, topology, _legs(plan, topology, tok, node_tok, fwd, hidden, dtype,
-                                         topk, combine_dtype))
+                                         topk, combine_dtype, wire_format))
