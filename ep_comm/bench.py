@@ -107,7 +107,7 @@ def _portable_wire_rows(cfg, plan: str, N: int) -> tuple[int, int]:
 
 def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         capacity_factors=(1.0, 1.25), backends=None, topo=None, plans=("flat",),
-        cost_model=None):
+        cost_model=None, wire_formats=(None,)):
     mesh = jax.make_mesh((jax.device_count(),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     n = mesh.shape["ep"]
     T, H, K, E = bc.tokens_per_rank, bc.hidden, bc.topk, bc.num_experts
@@ -130,9 +130,9 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                       for s in range(n)])
     payload = int(max(sends.sum(1).max(), sends.sum(0).max())) * H * itemsize
 
-    def wrong(y):
+    def wrong(y, tolerance=None):
         y = ep_comm.distributed.to_host(y).astype(np.float64)
-        return int(np.sum(np.abs(y - ref) > tol * (1 + np.abs(ref))))
+        return int(np.sum(np.abs(y - ref) > (tolerance or tol) * (1 + np.abs(ref))))
 
     results = []
     smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -141,38 +141,42 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
               and (b != "mpi" or jax.local_device_count() == 1)]
     topo = topo or topology.simulated(1, n)
     model = cost_model or topology.CostModel()
-    row_d, row_c = topology.row_bytes(H, dtype, K)
     net = topology.LINK_CLASSES.index("network")
-    for backend in backends or usable:
-        for plan in plans:
-            cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
-                                   backend=backend, plan=plan, topology=topo)
-            disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
-            comb = smap(ep_comm.combine)
-            ex, h = disp(xs, idss, ws)
-            y = comb(ex, h)
-            t_d = median_us(disp, (xs, idss, ws), warmup, iters)
-            t_c = median_us(comb, (ex, h), warmup, iters)
-            # bytes per rank and link class, as dispatch counted them: (n, phase, class)
-            sent = ep_comm.distributed.to_host(h.link_rows).reshape(n, 2, -1).astype(np.float64)
-            sent = sent * np.array([row_d, row_c])[None, :, None]
-            if backend == "portable":  # padded slots
-                rd, rc = _portable_wire_rows(cfg, plan, topo.num_nodes)
-                wire, wire_c = rd * row_d, rc * row_c
-            else:  # exact: every byte but the copies to oneself
-                off_rank = sent[:, :, 1:].sum(axis=2).max(axis=0)
-                wire, wire_c = off_rank
-            predicted = model.predict(topology.count_traffic(
-                ids.reshape(n, T, K), num_experts=E, topology=topo, hidden=H, dtype=dtype,
-                plan=plan))
-            common = dict(impl=f"ep_comm/{backend}", plan=plan, wrong=wrong(y),
-                          dropped=int(ep_comm.distributed.to_host(h.num_dropped).sum()),
-                          buffers=cfg.buffer_bytes(H, dtype, plan, topo.num_nodes)["total"])
-            for i, (phase, t, wb) in enumerate((("dispatch", t_d, wire), ("combine", t_c, wire_c))):
-                results.append(dict(phase=phase, time_us=t, wire=wb,
-                                    network_bytes_max=float(sent[:, i, net].max()),
-                                    network_bytes_total=float(sent[:, i, net].sum()),
-                                    predicted_us=predicted[phase] * 1e6, **common))
+    for backend, plan, wire_format in ((b, p, f) for b in backends or usable for p in plans
+                                       for f in wire_formats):
+        row_d, row_c = topology.row_bytes(H, dtype, K, wire_format=wire_format)
+        cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
+                               backend=backend, plan=plan, topology=topo,
+                               wire_format=wire_format)
+        disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
+        comb = smap(ep_comm.combine)
+        ex, h = disp(xs, idss, ws)
+        y = comb(ex, h)
+        t_d = median_us(disp, (xs, idss, ws), warmup, iters)
+        t_c = median_us(comb, (ex, h), warmup, iters)
+        # bytes per rank and link class, as dispatch counted them: (n, phase, class)
+        sent = ep_comm.distributed.to_host(h.link_rows).reshape(n, 2, -1).astype(np.float64)
+        sent = sent * np.array([row_d, row_c])[None, :, None]
+        if backend == "portable":  # padded slots
+            rd, rc = _portable_wire_rows(cfg, plan, topo.num_nodes)
+            wire, wire_c = rd * row_d, rc * row_c
+        else:  # exact: every byte but the copies to oneself
+            off_rank = sent[:, :, 1:].sum(axis=2).max(axis=0)
+            wire, wire_c = off_rank
+        predicted = model.predict(topology.count_traffic(
+            ids.reshape(n, T, K), num_experts=E, topology=topo, hidden=H, dtype=dtype,
+            plan=plan, wire_format=wire_format))
+        # FP8 on the wire: each element within 2**-3 of its value (ep_comm.wire's bound)
+        fp8_tol = None if wire_format is None else max(tol, 2.0 ** -3)
+        common = dict(impl=f"ep_comm/{backend}" + (f" {wire_format}" if wire_format else ""),
+                      plan=plan, wrong=wrong(y, fp8_tol), wire_format=wire_format,
+                      dropped=int(ep_comm.distributed.to_host(h.num_dropped).sum()),
+                      buffers=cfg.buffer_bytes(H, dtype, plan, topo.num_nodes)["total"])
+        for i, (phase, t, wb) in enumerate((("dispatch", t_d, wire), ("combine", t_c, wire_c))):
+            results.append(dict(phase=phase, time_us=t, wire=wb,
+                                network_bytes_max=float(sent[:, i, net].max()),
+                                network_bytes_total=float(sent[:, i, net].sum()),
+                                predicted_us=predicted[phase] * 1e6, **common))
     for cf in capacity_factors:
         cap = capacity_slots(cf, T, K, E)
         fn = smap(functools.partial(capacity_round_trip, axis_name="ep", num_experts=E, cap=cap))
@@ -209,7 +213,7 @@ def table(report) -> str:
             f"rank's token bytes; wire = bytes each rank sends; buffers = memory per rank\n"
             f"# topology {report['topology']}; net = network bytes of the busiest rank (counted "
             f"by dispatch); model = the cost model's prediction for this routing (us)\n")
-    cols = f"{'impl':<18}{'plan':<13}{'phase':<11}{'time(us)':>11}{'algbw':>8}{'busbw':>8}" \
+    cols = f"{'impl':<23}{'plan':<13}{'phase':<11}{'time(us)':>11}{'algbw':>8}{'busbw':>8}" \
            f"{'#wrong':>9}{'dropped':>8}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}" \
            f"{'net':>11}{'model':>9}"
     lines = [head + cols]
@@ -217,7 +221,7 @@ def table(report) -> str:
         net = f"{r['network_bytes_max'] / 2**20:>9.2f}MB" if "network_bytes_max" in r else \
             f"{'-':>11}"
         pred = f"{r['predicted_us']:>9.1f}" if "predicted_us" in r else f"{'-':>9}"
-        lines.append(f"{r['impl']:<18}{r['plan']:<13}{r['phase']:<11}{r['time_us']:>11.1f}"
+        lines.append(f"{r['impl']:<23}{r['plan']:<13}{r['phase']:<11}{r['time_us']:>11.1f}"
                      f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['wrong']:>9d}"
                      f"{r['dropped']:>8d}{r['payload'] / 2**20:>9.2f}MB"
                      f"{r['wire'] / 2**20:>9.2f}MB{r['pad']:>6.2f}{r['buffers'] / 2**20:>9.2f}MB"
@@ -231,7 +235,21 @@ def table(report) -> str:
             lines.append(f"# {impl} {phase}: hierarchical/flat time "
                          f"{r['time_us'] / f['time_us']:.2f}x (model {r['predicted_us'] / f['predicted_us']:.2f}x), network bytes "
                          f"of the busiest rank {ratio:.2f}x fewer")
+        fmt = r.get("wire_format")
+        base = by.get((impl.rsplit(" ", 1)[0], plan, phase)) if fmt else None
+        if base is not None and phase == "dispatch":
+            lines.append(f"# {impl} {plan} dispatch (quantize included): "
+                         f"{r['time_us'] / base['time_us']:.2f}x the time, "
+                         f"{r['buffers'] / base['buffers']:.2f}x the buffers and "
+                         f"{_row_ratio(report, fmt):.3f}x the bytes per token row of the "
+                         f"unquantized wire")
     return "\n".join(lines)
+
+
+def _row_ratio(report, fmt) -> float:
+    c = report["config"]
+    return (topology.token_bytes(c["hidden"], c["dtype"], fmt)
+            / topology.token_bytes(c["hidden"], c["dtype"]))
 
 
 def main(argv=None):
@@ -252,6 +270,8 @@ def main(argv=None):
     ap.add_argument("--plans", default=None,
                     help="comma-separated: flat,hierarchical (default: both on several nodes)")
     ap.add_argument("--backends", default=None, help="default: every usable transport")
+    ap.add_argument("--wire-formats", default="none",
+                    help="dispatch's wire formats to time, comma-separated: none, e4m3, mxfp8")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     ep_comm.distributed.initialize(local_device_count=args.devices)
@@ -265,9 +285,13 @@ def main(argv=None):
     plans = (args.plans.split(",") if args.plans
              else ["flat", "hierarchical"] if topo.num_nodes > 1 else ["flat"])
     backends = args.backends.split(",") if args.backends else None
+    wires = tuple(None if f == "none" else f for f in args.wire_formats.split(","))
+    for f in wires:
+        if f not in topology.WIRE_FORMATS:
+            ap.error(f"--wire-formats: each must be none, e4m3 or mxfp8, got {f!r}")
     return emit((run(BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n,
                                  dtype, routing), args.warmup, args.iters, backends=backends,
-                     topo=topo, plans=plans)
+                     topo=topo, plans=plans, wire_formats=wires)
                  for routing in args.routing.split(",")), table, args.json)
 
 

@@ -153,3 +153,4 @@ def _fake_bwd(wire_format, _, g):
 
 
 fake_quantize.defvjp(_fake_fwd, _fake_bwd)
+

@@ -38,7 +38,8 @@ step exchange && echo "== exchange bench" && \
   --json "$OUT/exchange.json" 2>&1 | tee "$OUT/exchange.txt"
 step dispatch && echo "== dispatch/combine bench" && \
 "$PY" -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
-  --routing uniform --iters 20 --json "$OUT/bench_T4096.json" 2>&1 | tee "$OUT/bench_T4096.txt"
+  --routing uniform --iters 20 --wire-formats none,e4m3,mxfp8 --json "$OUT/bench_T4096.json" 2>&1 \
+  | tee "$OUT/bench_T4096.txt"
 if step layer; then
   echo "== MoE layer: grouped GEMM passes (tokamax tile sweep) and the layer, DeepSeek-V3 EP8 rank"
   # tokamax travels as wheels in .whl/ (carry it; ../shared/NOTES.md), its xprof import as a stub

@@ -268,3 +268,33 @@ def test_wire_format_is_validated():
                                          axis_types=(jax.sharding.AxisType.Auto,)),
                       in_specs=P("ep"), out_specs=P("ep"))(
             jnp.ones((8, 4)), jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2)))
+
+
+def test_quantize_on_the_accelerator_equals_the_cpu_reference():
+    """The kernels that run on the GPU (today the same XLA functions, compiled for it) give the
+    CPU reference's bytes exactly."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a GPU: the CPU run is the reference")
+    x = _rows(np.random.default_rng(6), 256, 7168, heavy=True)
+    x[3, 10] = np.nan
+    for fmt in FORMATS:
+        on_gpu = np.asarray(jax.jit(wire.pack_rows, static_argnums=1)(jnp.asarray(x), fmt))
+        with jax.default_device(jax.devices("cpu")[0]):
+            on_cpu = np.asarray(jax.jit(wire.pack_rows, static_argnums=1)(jnp.asarray(x), fmt))
+        np.testing.assert_array_equal(on_gpu, on_cpu)
+
+
+def test_error_table_and_bench_rows(n):
+    from ep_comm import bench, wire_bench
+
+    rows = wire_bench.main(["--tokens", "64", "--hidden", "256"])
+    assert {(r["activations"], r["format"]) for r in rows} == {
+        (a, f) for a in ("normal", "heavy-tailed") for f in FORMATS}
+    assert all(r["max_rel"] <= (2.0 ** -4 if r["format"] == "e4m3" else 2.0 ** -3) for r in rows)
+    rep = bench.run(bench.BenchConfig(16, 64, 4, 4 * n, "float32", "uniform"), warmup=0,
+                    iters=1, capacity_factors=(), backends=["portable"],
+                    wire_formats=(None, "e4m3"))
+    disp = {r["impl"]: r for r in rep["results"] if r["phase"] == "dispatch"}
+    assert set(disp) == {"ep_comm/portable", "ep_comm/portable e4m3"}
+    assert all(r["wrong"] == 0 for r in disp.values())
+    assert "0.266x the bytes per token row" in bench.table(rep)  # (64 + 4) / (64 * 4)
