@@ -126,15 +126,14 @@ def _rows_covered(n_rows, offsets, sizes):
 
 def _transpose(t, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                axis_name, axis_index_groups, **params):
-    groups = [list(g) for g in axis_index_groups] if axis_index_groups else None
     op_aval = operand.aval if ad.is_undefined_primal(operand) else jax.typeof(operand)
     out_aval = output.aval if ad.is_undefined_primal(output) else jax.typeof(output)
     if type(t) is ad.Zero:
         return [ad.Zero(op_aval) if ad.is_undefined_primal(operand) else None,
                 ad.Zero(out_aval) if ad.is_undefined_primal(output) else None] + [None] * 4
     # Where my received segments landed (my frame) and where the senders took them from (theirs).
-    landed = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
-    taken = lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
+    landed = _offsets_all_to_all(output_offsets, axis_name, axis_index_groups, params)
+    taken = _offsets_all_to_all(input_offsets, axis_name, axis_index_groups, params)
     operand_t = output_t = None
     if ad.is_undefined_primal(operand):
         reverse = dict(params, label=params["label"] + " (transpose)")
@@ -146,6 +145,31 @@ def _transpose(t, operand, output, input_offsets, send_sizes, output_offsets, re
         covered = lax.broadcast_in_dim(covered, t.shape, (0,))
         output_t = jnp.where(covered, jnp.zeros((), t.dtype), t)
     return [operand_t, output_t] + [None] * 4
+
+
+def _offsets_all_to_all(offsets, axis_name, axis_index_groups, params):
+    """A tiled all-to-all of ``(n * m,)`` int32 offsets (chunk ``j`` to member ``j``). The mpi
+    transport moves them with its own exchange, so that they join its chain of exchanges: an XLA
+    collective (gloo on CPU) beside the chain runs in a different order in different processes and
+    deadlocks against it. Other transports: ``lax.all_to_all``."""
+    groups = [list(g) for g in axis_index_groups] if axis_index_groups else None
+    if params["transport"] != "mpi":
+        return lax.all_to_all(offsets, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
+    n = _group_size(axis_name, axis_index_groups, "ragged_all_to_all")
+    m = offsets.shape[0] // n
+    me = lax.axis_index(axis_name)
+    if groups:  # my position inside my group
+        pos = np.zeros(sum(len(g) for g in groups), np.int32)
+        for g in groups:
+            pos[np.asarray(g)] = np.arange(len(g))
+        me = jnp.asarray(pos)[me]
+    i32 = jnp.int32
+    sizes = jnp.full((n,), m, i32)
+    out = ragged_exchange_p.bind(
+        offsets.astype(i32)[:, None], jnp.zeros((n * m, 1), i32), jnp.arange(n, dtype=i32) * m,
+        sizes, jnp.full((n,), me * m, i32), sizes, axis_name=axis_name,
+        axis_index_groups=axis_index_groups, **dict(params, label=params["label"] + " (offsets)"))
+    return out[:, 0].astype(offsets.dtype)
 
 
 def _batch(vals, dims, *, axis_name, axis_index_groups, **params):

@@ -492,7 +492,7 @@ def _phase_legs(links: CostModel, tr: Traffic, phase: str) -> list[float]:
             for ex in tr.exchanges if ex.phase == phase]
 
 
-def validate(hw: Hardware = H800, seed: int = 0) -> list:
+def validate(hw: Hardware = H800, seed: int = 0, sample_tokens: int = 1024) -> list:
     """The model against each anchor (:data:`ANCHORS`) on the anchor's hardware, with the
     anchor's byte counting. Two schedules of the legs: ``serial`` (ep_comm today: the
     hierarchical plan's network stage, then the NVLink forward) and ``pipelined`` (DeepEP's
@@ -507,7 +507,8 @@ def validate(hw: Hardware = H800, seed: int = 0) -> list:
         ep, phase = a["ep"], a["phase"]
         spec = LayerSpec(tokens_per_gpu=128 if ll else 4096)
         routing = "uniform" if ep <= G else "node_limited"
-        counts = draw_routing(routing, ep, spec, G, seed=seed, sample_tokens=spec.tokens_per_gpu)
+        counts = _cached_draw(routing, ep, spec, G, min(sample_tokens, spec.tokens_per_gpu),
+                              seed)
         wire = "e4m3" if phase == "dispatch" else "bf16"
         row = (spec.hidden * (1 + 4 / 128)) if wire == "e4m3" else 2 * spec.hidden
         if ll:
