@@ -107,8 +107,10 @@ def _portable_wire_rows(cfg, plan: str, N: int) -> tuple[int, int]:
 
 def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         capacity_factors=(1.0, 1.25), backends=None, topo=None, plans=("flat",),
-        cost_model=None, wire_formats=(None,)):
-    mesh = jax.make_mesh((jax.device_count(),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+        cost_model=None, wire_formats=(None,), devices=None):
+    devices = devices or jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices)
     n = mesh.shape["ep"]
     T, H, K, E = bc.tokens_per_rank, bc.hidden, bc.topk, bc.num_experts
     dtype = jnp.dtype(bc.dtype)

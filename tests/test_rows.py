@@ -98,8 +98,9 @@ def test_transposes_are_gathers_not_scatters():
 def test_invariant_table_gets_the_summed_cotangent_inside_shard_map():
     """A table every rank holds alike (not varying over the mesh axis) read by varying work: its
     cotangent is the sum over ranks, as JAX's own gather transposes give."""
-    n = jax.device_count()
-    mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    n = min(2, jax.device_count())  # two ranks show it (more only compile longer)
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:n])
     P = jax.sharding.PartitionSpec
     N, H = 6, 3
     idx = np.array([0, 2, 2, 5], np.int32)
@@ -118,7 +119,7 @@ def test_invariant_table_gets_the_summed_cotangent_inside_shard_map():
             return jnp.sum(y ** 2, keepdims=True)
         f = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("ep"), P("ep"), P("ep")),
                           out_specs=P("ep"))
-        return lambda t: jnp.sum(f(t, scale, idx_r, pos_r))
+        return jax.jit(lambda t: jnp.sum(f(t, scale, idx_r, pos_r)))
 
     got = jax.grad(loss(lambda t, i: gather_rows(t, i, inv), gather_sum))(table)
     want = jax.grad(loss(_plain_take,
