@@ -14,6 +14,12 @@ from ep_comm.rows import gather_rows
 from ep_comm.routes import Route, exclusive_cumsum
 
 
+def expert_rows_read(recv_pos, C):
+    """``(R, K)``: the rows of ``expert_x`` each receive-buffer row fills, each once (a slot
+    repeating an earlier slot's expert, which points at the same row, and dropped slots: ``C``)."""
+    return jnp.where(repeats_earlier(recv_pos), C, recv_pos)
+
+
 @dataclasses.dataclass(frozen=True)
 class Expanded:
     """``expert_x`` ``(C, H)`` and the handle fields that describe it (see ``EPHandle``):
@@ -70,9 +76,8 @@ def expand(cfg: EPConfig, route: Route, num_recv, me) -> Expanded:
         buf_rows = jnp.where(received, flat_to_buf, R)
         recv_pos = jnp.full((R, K), C, i32).at[buf_rows].set(recv_pos, mode="drop")
         recv_w = jnp.zeros((R, K), jnp.float32).at[buf_rows].set(recv_w, mode="drop")
-    # recv_pos's first slots per expert list exactly the expert rows reading each buffer row:
-    # the gather's transpose (dispatch's backward) is a gather over them
-    inverse_rows = jnp.where(repeats_earlier(recv_pos), C, recv_pos)
-    expert_x = gather_rows(buf_x, jnp.where(used, src_row, R), inverse_rows)
+    # the gather's transpose (dispatch's backward) is a gather over the expert rows reading each
+    # buffer row
+    expert_x = gather_rows(buf_x, jnp.where(used, src_row, R), expert_rows_read(recv_pos, C))
 
     return Expanded(expert_x, group_sizes, recv_pos, recv_w, expert_token)

@@ -34,9 +34,9 @@ from jax import lax
 
 from ep_comm import plan as plans
 from ep_comm.config import EPConfig
-from ep_comm.expand import expand
+from ep_comm.expand import expand, expert_rows_read
 from ep_comm.handle import EPHandle
-from ep_comm.layout import check_topk_ids, layout_and_routes, repeats_earlier
+from ep_comm.layout import check_topk_ids, layout_and_routes
 from ep_comm import wire
 from ep_comm.overflow import runtime_check
 from ep_comm.rows import gather_sum
@@ -183,7 +183,7 @@ def _straight_through_fwd(expert_x, x, handle):
 def _straight_through_bwd(res, g):
     handle, like = res
     C = handle.config.expert_rows
-    first = (handle.recv_pos < C) & ~repeats_earlier(handle.recv_pos)
+    first = expert_rows_read(handle.recv_pos, C) < C  # each expert row once
     unit = dataclasses.replace(handle, recv_weights=first.astype(jnp.float32))
     d_x = combine(g, unit).astype(like.dtype)
     return jnp.zeros_like(g), d_x, _float0_like(handle)
