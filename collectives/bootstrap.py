@@ -62,8 +62,8 @@ def _version(code: int) -> str:
 
 
 def load(name: str):
-    """Return ``(module, None)`` for the native transport ``name`` ("mpi" or "nccl"), or
-    ``(None, reason)`` when it is not usable in this process."""
+    """Return ``(module, None)`` for the native transport ``name`` ("mpi" or "nccl") or the row
+    kernels ("rows"), or ``(None, reason)`` when it is not usable in this process."""
     with _lock:
         if name in _modules:
             return _modules[name], None
@@ -75,7 +75,8 @@ def load(name: str):
             mod = importlib.import_module(f"collectives._ep_{name}")
             reason = _check(name, mod)
         except ImportError as e:
-            mod, reason = None, (f"the native {name} transport is not built into this install "
+            what = "row kernels are" if name == "rows" else f"{name} transport is"
+            mod, reason = None, (f"the native {what} not built into this install "
                                  f"({e}); see README, 'Native engine'")
         if reason is not None:
             _reasons[name] = reason
@@ -85,6 +86,8 @@ def load(name: str):
 
 
 def _check(name: str, mod) -> str | None:
+    if name == "rows":
+        return None
     if name == "mpi":
         try:
             from mpi4py import MPI
@@ -118,6 +121,11 @@ def register_targets(name: str) -> None:
             return
         if name == "mpi":
             jax.ffi.register_ffi_target("ep_comm_mpi_exchange", mod.handler(), platform="cpu")
+        elif name == "rows":
+            jax.ffi.register_ffi_target("ep_comm_rows_gather", mod.gather_handler(),
+                                        platform="CUDA")
+            jax.ffi.register_ffi_target("ep_comm_rows_gather_sum", mod.gather_sum_handler(),
+                                        platform="CUDA")
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

@@ -17,6 +17,13 @@ pairs; ``wire`` bytes each rank actually puts on the wire (the portable transpor
 per-peer slot to a static size; ``pad`` is wire / payload); ``buffers`` = receive-side memory per
 rank. Results go to stdout and, with ``--json``, to a file.
 
+Ceilings and overheads (GPU): ``copy`` is the time over one ``cudaMemcpyAsync`` of the phase's
+compulsory bytes, timed in the same run (dispatch reads ``T * H`` elements and writes one row per
+received (token, expert) pair, combine the reverse; the busiest rank's count); with ``--profile DIR``
+``kern`` is the GPU kernel time per call summed from a JAX profiler trace and ``wall/kern`` the
+wall time over it (what the host adds). With ``--wire-formats``, ``q`` rows time dispatch with
+``return_quantized=True`` (FP8 values and scales for an FP8 grouped GEMM, no dequantize).
+
 Plans: ``--topology 2x4 --plans flat,hierarchical`` runs both exchange plans on a (simulated)
 machine; ``net`` is the busiest rank's network bytes as dispatch counted them
 (``EPHandle.link_rows``) and ``model`` what :class:`topology.CostModel` predicts for the same
@@ -30,6 +37,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +49,7 @@ import collectives
 import ep_comm
 import topology
 from collectives import portable
-from collectives.timing import emit, hardware, median_us
+from collectives.timing import emit, hardware, median_us, trace_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +113,40 @@ def _portable_wire_rows(cfg, plan: str, N: int) -> tuple[int, int]:
     return s1 + s2, s2_back + s1_back
 
 
+def kernel_us(fn, args, folder, calls: int = 5) -> tuple[float, list]:
+    """GPU kernel time per call of ``fn`` (every stream, summed) from a JAX profiler trace of
+    ``calls`` calls, and the five largest kernels as ``(name, us per call, launches per call)``."""
+    jax.block_until_ready(fn(*args))
+    shutil.rmtree(folder, ignore_errors=True)
+    with jax.profiler.trace(folder):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    kernels = trace_kernels(folder) or []
+    by = {}
+    for k in kernels:
+        us, count = by.get(k["name"], (0.0, 0))
+        by[k["name"]] = (us + k["dur"] / calls, count + 1)
+    top = sorted(((name[:70], us, count / calls) for name, (us, count) in by.items()),
+                 key=lambda t: -t[1])[:5]
+    return sum(k["dur"] for k in kernels) / calls, top
+
+
+def _copy_ceiling_us(nbytes: int, warmup: int, iters: int) -> float | None:
+    """Median time of one device copy of ``nbytes`` bytes read and written in all (GPU with the
+    engine built), else None."""
+    if jax.default_backend() != "gpu" or collectives.available().get("nccl") is not None:
+        return None
+    from collectives.bench import device_copy
+    half = max(1, nbytes // 2 // 16)
+    dev = jax.devices()[0]
+    src = jax.device_put(jnp.ones((half, 16), jnp.uint8), dev)
+    dst = jax.device_put(jnp.zeros((half, 16), jnp.uint8), dev)
+    return median_us(jax.jit(device_copy), (src, dst), warmup, iters)
+
+
 def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         capacity_factors=(1.0, 1.25), backends=None, topo=None, plans=("flat",),
-        cost_model=None, wire_formats=(None,), devices=None):
+        cost_model=None, wire_formats=(None,), devices=None, profile=None):
     devices = devices or jax.devices()
     mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=devices)
@@ -131,6 +170,13 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     sends = np.array([[np.sum((dest[s * T:(s + 1) * T] == d).any(1)) for d in range(n)]
                       for s in range(n)])
     payload = int(max(sends.sum(1).max(), sends.sum(0).max())) * H * itemsize
+    # compulsory bytes of either phase on the busiest rank: its T token rows and the expert rows
+    # of the (token, expert) pairs it receives
+    distinct = np.sort(ids, axis=1)
+    distinct = np.concatenate([distinct[:, :1] >= 0, distinct[:, 1:] != distinct[:, :-1]], 1)
+    pairs = np.bincount((np.sort(ids, axis=1) // L)[distinct], minlength=n)
+    compulsory = int((T + pairs.max()) * H * itemsize)
+    copy_us = _copy_ceiling_us(compulsory, warmup, iters)
 
     def wrong(y, tolerance=None):
         y = ep_comm.distributed.to_host(y).astype(np.float64)
@@ -156,6 +202,15 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         y = comb(ex, h)
         t_d = median_us(disp, (xs, idss, ws), warmup, iters)
         t_c = median_us(comb, (ex, h), warmup, iters)
+        kern = {}
+        if profile:
+            for phase, fn, fargs in (("dispatch", disp, (xs, idss, ws)), ("combine", comb, (ex, h))):
+                kern[phase] = kernel_us(fn, fargs, f"{profile}/{backend}_{plan}_{wire_format}_"
+                                                   f"{phase}")
+        timed = [("dispatch", t_d), ("combine", t_c)]
+        if wire_format is not None:
+            disp_q = smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg, return_quantized=True))
+            timed.append(("dispatch q", median_us(disp_q, (xs, idss, ws), warmup, iters)))
         # bytes per rank and link class, as dispatch counted them: (n, phase, class)
         sent = ep_comm.distributed.to_host(h.link_rows).reshape(n, 2, -1).astype(np.float64)
         sent = sent * np.array([row_d, row_c])[None, :, None]
@@ -174,11 +229,19 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                       plan=plan, wrong=wrong(y, fp8_tol), wire_format=wire_format,
                       dropped=int(ep_comm.distributed.to_host(h.num_dropped).sum()),
                       buffers=cfg.buffer_bytes(H, dtype, plan, topo.num_nodes)["total"])
-        for i, (phase, t, wb) in enumerate((("dispatch", t_d, wire), ("combine", t_c, wire_c))):
-            results.append(dict(phase=phase, time_us=t, wire=wb,
+        for phase, t in timed:
+            i = int(phase == "combine")
+            extra = {}
+            if copy_us:
+                extra.update(copy_us=copy_us, x_copy=t / copy_us)
+            if kern.get(phase, (0,))[0] > 0:  # GPU kernels in the trace (none on CPU)
+                extra.update(kernel_us=kern[phase][0], wall_over_kernel=t / kern[phase][0],
+                             top_kernels=kern[phase][1])
+            results.append(dict(phase=phase, time_us=t, wire=(wire, wire_c)[i],
                                 network_bytes_max=float(sent[:, i, net].max()),
                                 network_bytes_total=float(sent[:, i, net].sum()),
-                                predicted_us=predicted[phase] * 1e6, **common))
+                                predicted_us=predicted[phase.split()[0]] * 1e6,
+                                compulsory_bytes=compulsory, **extra, **common))
     for cf in capacity_factors:
         cap = capacity_slots(cf, T, K, E)
         fn = smap(functools.partial(capacity_round_trip, axis_name="ep", num_experts=E, cap=cap))
@@ -202,6 +265,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         r["busbw_GBps"] = r["algbw_GBps"] * (n - 1) / n
         r["pad"] = r["wire"] / r["payload"]
     return dict(config=dataclasses.asdict(bc), ranks=n, hardware=hardware(), warmup=warmup,
+                copy_ceiling_us=copy_us, compulsory_bytes=compulsory,
                 iters=iters, topology=f"{topo.num_nodes}x{topo.gpus_per_node} ({topo.source})",
                 cost_model=dataclasses.asdict(model), results=results)
 
@@ -217,17 +281,20 @@ def table(report) -> str:
             f"by dispatch); model = the cost model's prediction for this routing (us)\n")
     cols = f"{'impl':<23}{'plan':<13}{'phase':<11}{'time(us)':>11}{'algbw':>8}{'busbw':>8}" \
            f"{'#wrong':>9}{'dropped':>8}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}" \
-           f"{'net':>11}{'model':>9}"
+           f"{'net':>11}{'model':>9}{'copy':>7}{'kern(us)':>10}{'wall/kern':>10}"
     lines = [head + cols]
     for r in report["results"]:
         net = f"{r['network_bytes_max'] / 2**20:>9.2f}MB" if "network_bytes_max" in r else \
             f"{'-':>11}"
         pred = f"{r['predicted_us']:>9.1f}" if "predicted_us" in r else f"{'-':>9}"
+        over = (f"{r['x_copy']:>6.2f}x" if "x_copy" in r else f"{'-':>7}") + (
+            f"{r['kernel_us']:>10.1f}{r['wall_over_kernel']:>9.2f}x" if "kernel_us" in r
+            else f"{'-':>10}{'-':>10}")
         lines.append(f"{r['impl']:<23}{r['plan']:<13}{r['phase']:<11}{r['time_us']:>11.1f}"
                      f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['wrong']:>9d}"
                      f"{r['dropped']:>8d}{r['payload'] / 2**20:>9.2f}MB"
                      f"{r['wire'] / 2**20:>9.2f}MB{r['pad']:>6.2f}{r['buffers'] / 2**20:>9.2f}MB"
-                     f"{net}{pred}")
+                     f"{net}{pred}{over}")
     by = {(r["impl"], r["plan"], r["phase"]): r for r in report["results"]}
     for (impl, plan, phase), r in by.items():
         f = by.get((impl, "flat", phase))
@@ -238,9 +305,10 @@ def table(report) -> str:
                          f"{r['time_us'] / f['time_us']:.2f}x (model {r['predicted_us'] / f['predicted_us']:.2f}x), network bytes "
                          f"of the busiest rank {ratio:.2f}x fewer")
         fmt = r.get("wire_format")
-        base = by.get((impl.rsplit(" ", 1)[0], plan, phase)) if fmt else None
-        if base is not None and phase == "dispatch":
-            lines.append(f"# {impl} {plan} dispatch (quantize included): "
+        base = by.get((impl.rsplit(" ", 1)[0], plan, "dispatch")) if fmt else None
+        if base is not None and phase.startswith("dispatch"):
+            what = "FP8 values and scales out" if phase == "dispatch q" else "dequantized"
+            lines.append(f"# {impl} {plan} dispatch (quantize included, {what}): "
                          f"{r['time_us'] / base['time_us']:.2f}x the time, "
                          f"{r['buffers'] / base['buffers']:.2f}x the buffers and "
                          f"{_row_ratio(report, fmt):.3f}x the bytes per token row of the "
@@ -274,6 +342,9 @@ def main(argv=None):
     ap.add_argument("--backends", default=None, help="default: every usable transport")
     ap.add_argument("--wire-formats", default="none",
                     help="dispatch's wire formats to time, comma-separated: none, e4m3, mxfp8")
+    ap.add_argument("--profile", default=None,
+                    help="folder for JAX profiler traces: adds GPU kernel time per call and "
+                         "wall/kernel columns")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     ep_comm.distributed.initialize(local_device_count=args.devices)
@@ -293,7 +364,7 @@ def main(argv=None):
             ap.error(f"--wire-formats: each must be none, e4m3 or mxfp8, got {f!r}")
     return emit((run(BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n,
                                  dtype, routing), args.warmup, args.iters, backends=backends,
-                     topo=topo, plans=plans, wire_formats=wires)
+                     topo=topo, plans=plans, wire_formats=wires, profile=args.profile)
                  for routing in args.routing.split(",")), table, args.json)
 
 

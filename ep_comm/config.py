@@ -62,6 +62,12 @@ class EPConfig:
         sender quantizes each row, the scales travel in the row, the receiver dequantizes into
         ``expert_x`` in ``x``'s dtype. The backward of dispatch runs in full precision: the
         quantization is straight-through. Combine is not quantized.
+      zero_fill: ``False`` (default): the rows of ``expert_x`` past ``sum(group_sizes)`` are
+        **unspecified** but for the first ``ep_comm.expand.ZERO_TAIL_ROWS`` (256), which are zero
+        (grouped GEMM tiles that run past the last group read them). On GPUs the rest are never
+        written: the worst-case buffer costs no fill; the XLA path on other platforms fills them
+        with NaN, so that a consumer reading them shows. Grouped GEMMs, :func:`combine` and the
+        layer read only the groups. ``True`` writes zeros there (a pass over the whole buffer).
 
     Memory per rank (``H`` hidden size, ``b`` bytes per element of ``x``), see :meth:`buffer_bytes`:
       send buffer ``S = T * min(topk, num_ranks)`` rows; token receive buffer
@@ -83,6 +89,7 @@ class EPConfig:
     topology: Topology | None = None
     cost_model: CostModel | None = None
     wire_format: str | None = None
+    zero_fill: bool = False
 
     def __post_init__(self):
         owner = "EPConfig"
@@ -130,6 +137,9 @@ class EPConfig:
         if self.wire_format not in WIRE_FORMATS:
             raise ValueError(f"{owner}: wire_format must be one of {WIRE_FORMATS}, got "
                              f"{self.wire_format!r}")
+        if not isinstance(self.zero_fill, bool):
+            raise TypeError(f"{owner}: zero_fill must be a bool, got "
+                            f"{type(self.zero_fill).__name__}")
 
     @property
     def fingerprint(self) -> int:

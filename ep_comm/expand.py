@@ -14,6 +14,12 @@ from ep_comm.rows import gather_rows
 from ep_comm.routes import Route, exclusive_cumsum
 
 
+# Rows of expert_x right after the groups that are always zero: grouped GEMM kernels whose row
+# tiles run past the last group read them (tokamax's weight-gradient kernel masks such rows by
+# multiplying with zero, so they must be finite); at most one tile of rows.
+ZERO_TAIL_ROWS = 256
+
+
 def expert_rows_read(recv_pos, C):
     """``(R, K)``: the rows of ``expert_x`` each receive-buffer row fills, each once (a slot
     repeating an earlier slot's expert, which points at the same row, and dropped slots: ``C``)."""
@@ -36,7 +42,8 @@ class Expanded:
 def expand(cfg: EPConfig, route: Route, num_recv, me) -> Expanded:
     """Rows of ``route``'s receive buffer (the first ``num_recv`` in the flat order are used) into
     ``expert_x``: rows ordered by local expert, then (source rank, source token, k); the rows past
-    ``sum(group_sizes)`` are zero. Pairs past ``cfg.expert_rows`` are dropped (counted by
+    ``sum(group_sizes)``: the first :data:`ZERO_TAIL_ROWS` zero, the others unspecified (zero with
+    ``cfg.zero_fill``). Pairs past ``cfg.expert_rows`` are dropped (counted by
     dispatch)."""
     R, C, K, L = cfg.recv_token_rows, cfg.expert_rows, cfg.topk, cfg.experts_per_rank
     i32 = jnp.int32
@@ -78,6 +85,11 @@ def expand(cfg: EPConfig, route: Route, num_recv, me) -> Expanded:
         recv_w = jnp.zeros((R, K), jnp.float32).at[buf_rows].set(recv_w, mode="drop")
     # the gather's transpose (dispatch's backward) is a gather over the expert rows reading each
     # buffer row
-    expert_x = gather_rows(buf_x, jnp.where(used, src_row, R), expert_rows_read(recv_pos, C))
+    # rows past the groups: zero (config.zero_fill, or the first ZERO_TAIL_ROWS of them), else
+    # unspecified
+    past = q - jnp.minimum(num_pairs, C)
+    unused = jnp.where(cfg.zero_fill | (past < ZERO_TAIL_ROWS), -1, R)
+    expert_x = gather_rows(buf_x, jnp.where(used, src_row, unused), expert_rows_read(recv_pos, C),
+                           fill=False)
 
     return Expanded(expert_x, group_sizes, recv_pos, recv_w, expert_token)

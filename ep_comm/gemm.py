@@ -172,7 +172,8 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
       x: ``(M, K)`` floating; rows grouped contiguously from row 0 (``expert_x`` from
         :func:`ep_comm.dispatch`). Rows past ``sum(group_sizes)`` do not change the result; with
         tokamax they must be finite under ``grad`` (its weight-gradient kernel masks rows by
-        multiplying with zero). ``dispatch`` writes zeros there.
+        multiplying with zero; it reads at most one tile past the last group). ``dispatch``
+        writes zeros in the first ``ep_comm.expand.ZERO_TAIL_ROWS`` rows there.
       w: ``(G, K, N)`` floating, the same dtype as ``x``; one matrix per group (local expert).
       group_sizes: ``(G,)`` integer; rows per group, ``sum(group_sizes) <= M`` (the rows past
         ``M`` of a larger sum are not computed, as in ``ragged_dot``).

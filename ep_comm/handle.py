@@ -27,7 +27,8 @@ class EPHandle:
       config: the static :class:`EPConfig`.
       plan: ``"flat"`` or ``"hierarchical"`` (static; what ``config.plan`` resolved to).
       group_sizes: ``(L,)`` int32; rows of ``expert_x`` per local expert, in order, contiguous
-        from row 0. Rows past ``sum(group_sizes)`` are zero and ignored by combine.
+        from row 0. Rows past ``sum(group_sizes)`` are ignored by combine (their values: see
+        ``EPConfig.zero_fill``).
       num_recv_tokens: ``(1,)`` int32; tokens received (rows of the token receive buffer used).
       num_dropped: ``(1,)`` int32; (token, expert) pairs destined to this rank that did not fit
         ``recv_capacity``. Always 0 with the default (worst-case) capacity.

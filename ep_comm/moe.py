@@ -81,7 +81,8 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
 
     Returns:
       ``(expert_x, handle)``: ``expert_x`` is ``(config.expert_rows, H)`` in ``x.dtype``, rows
-      grouped by local expert as ``handle.group_sizes`` says (rows past the groups are zero);
+      grouped by local expert as ``handle.group_sizes`` says (rows past the groups are
+      unspecified, or zero with ``config.zero_fill``);
       ``handle`` is the :class:`EPHandle` that :func:`combine` consumes.
     """
     api = "dispatch"
@@ -247,20 +248,22 @@ def combine(expert_y, handle: EPHandle):
     plan = plans.replay(cfg, handle.plan, api)
 
     # Receiver: weighted sum over this rank's experts of each received token.
-    partial = gather_sum(expert_y, handle.recv_pos, handle.recv_pos < C, handle.recv_weights)
+    partial = gather_sum(expert_y, handle.recv_pos, handle.recv_pos < C, handle.recv_weights,
+                         out_dtype=wire)
     if handle.plan == "flat":
-        back = exchange(cfg, plan.stages[0], handle.legs[0], partial.astype(wire),
+        back = exchange(cfg, plan.stages[0], handle.legs[0], partial,
                          cfg.send_rows, T, "combine", reverse=True)
     else:
         N, G = plan.shape
         leg1, leg2 = handle.legs
         # Stage 2 backwards: one partial per (token, rank) to the node's forwarding rank, which
         # sums them: one row per token and node.
-        back2 = exchange(cfg, plan.stages[1], leg2, partial.astype(wire),
+        back2 = exchange(cfg, plan.stages[1], leg2, partial,
                           N * T * min(K, G), N * T, "combine (stage 2)", reverse=True)
-        node_sum = gather_sum(back2, handle.forward_row, handle.forward_row >= 0)
-        back = exchange(cfg, plan.stages[0], leg1, node_sum.astype(wire), T * min(K, N), T,
+        node_sum = gather_sum(back2, handle.forward_row, handle.forward_row >= 0,
+                              out_dtype=wire)
+        back = exchange(cfg, plan.stages[0], leg1, node_sum, T * min(K, N), T,
                          "combine (stage 1)", reverse=True)
     # Source: sum the partials of each token's ranks (or nodes), in order of first choice.
-    y = gather_sum(back, handle.token_send_row, handle.token_send_row >= 0)
-    return y.astype(expert_y.dtype)
+    return gather_sum(back, handle.token_send_row, handle.token_send_row >= 0,
+                      out_dtype=expert_y.dtype)

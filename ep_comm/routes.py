@@ -118,14 +118,14 @@ def pack(in_dest, starts, rows: int):
 
 
 def send_buffer(x, route, item, dest, row, slot_dest, K):
-    """Rows ``x[item]`` (zero past the used rows) with their routing masked to the slots whose
+    """Rows ``x[item]`` (unspecified past the used rows) with their routing masked to the slots whose
     destination (``slot_dest[item]``, ``(rows, K)``) is the row's ``dest`` (weight 0 and id -1
     elsewhere); ``item``, ``dest``, ``row`` as :func:`pack` returns them (``row`` is the gather's
     inverse: its transpose gathers each item's send rows)."""
     src = jnp.minimum(item, x.shape[0] - 1)
     ok = (slot_dest[src] == dest[:, None]) & (item < x.shape[0])[:, None]
     r = route[src]
-    return gather_rows(x, item, row), jnp.concatenate(
+    return gather_rows(x, item, row, fill=False), jnp.concatenate(
         [jnp.where(ok, r[:, :K], 0.0), jnp.where(ok, r[:, K:], -1.0)], axis=1)
 
 

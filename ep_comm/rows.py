@@ -14,6 +14,9 @@ of rows, deterministic (a fixed summation order), float32 accumulation.
 - :func:`gather_sum`: ``out[n] = sum_k ok[n, k] * w[n, k] * table[idx[n, k]]`` where each table row is
   read by at most one ``n`` (any number of its ``k``); its transpose in ``table`` is one gather of
   ``d_out`` rows scaled per row (the inverse found by a scatter of scalars, not of rows).
+
+The row movement itself, forward and backward, is :mod:`collectives.row_kernels`: CUDA kernels on
+GPUs, XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from collectives import row_kernels
 from topology.jax_compat import match_vma, sum_to_vma
 
 
@@ -32,15 +36,17 @@ def _valid(idx, size):
 
 
 def _take(table, idx):
-    """``table[idx]``, zero where ``idx`` is outside ``[0, len(table))``."""
+    """``table[idx]`` (``idx`` of any shape), zero where ``idx`` is outside ``[0, len(table))``."""
     ok = _valid(idx, table.shape[0])
     rows = jnp.take(table, jnp.clip(idx, 0, table.shape[0] - 1), axis=0)
     return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - ok.ndim)), rows,
                      jnp.zeros((), table.dtype))
 
 
-def gather_rows(table, idx, inv):
-    """``out[i] = table[idx[i]]``, zero where ``idx[i]`` is outside ``[0, len(table))``.
+def gather_rows(table, idx, inv, fill: bool = True):
+    """``out[i] = table[idx[i]]``; where ``idx[i]`` is outside ``[0, len(table))``: zero. With
+    ``fill=False``, only where ``idx[i] < 0``; rows with ``idx[i] >= len(table)`` are then
+    unspecified (not written on GPUs: :func:`collectives.row_kernels.gather`).
 
     Args:
       table: ``(N, ...)``.
@@ -52,23 +58,26 @@ def gather_rows(table, idx, inv):
     An integer ``table`` (FP8 rows as bytes on the wire) is gathered the same way; it has no
     gradient.
     """
+    if fill:  # row_kernels.gather: negative indices give zero rows
+        idx = jnp.where(_valid(idx, table.shape[0]), idx, -1)
     if not jnp.issubdtype(table.dtype, jnp.floating):
-        return _take(table, idx)
+        return row_kernels.gather(table, idx)
     return _gather_rows(table, idx, inv)
 
 
 @jax.custom_vjp
 def _gather_rows(table, idx, inv):
-    return _take(table, idx)
+    return row_kernels.gather(table, idx)
 
 
 def _gather_rows_fwd(table, idx, inv):
-    return _take(table, idx), (idx, inv, table[:0])  # no rows: the dtype and mesh axes
+    # no rows kept: the dtype and mesh axes only
+    return row_kernels.gather(table, idx), (idx, inv, table[:0])
 
 
 def _gather_rows_bwd(res, d_out):
     idx, inv, like = res
-    d_table = gather_sum(d_out, inv, _valid(inv, d_out.shape[0])).astype(like.dtype)
+    d_table = gather_sum(d_out, inv, _valid(inv, d_out.shape[0]), out_dtype=like.dtype)
     return _like(d_table, like), _int_zero(idx), _int_zero(inv)
 
 
@@ -85,41 +94,39 @@ def _int_zero(a):
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
-def gather_sum(table, idx, ok, weights=None):
+def gather_sum(table, idx, ok, weights=None, out_dtype=jnp.float32):
     """``sum_k ok[:, k] * weights[:, k] * table[idx[:, k]]`` in float32, adding k in order (a
-    fixed order: deterministic). ``idx``/``ok``/``weights``: ``(N, K)``; masked entries may hold
-    any index and contribute exactly zero, even where the table holds NaN.
+    fixed order: deterministic), returned as ``out_dtype``. ``idx``/``ok``/``weights``:
+    ``(N, K)``; masked entries may hold any index and contribute exactly zero, even where the table
+    holds NaN.
 
     Differentiable in ``table`` and ``weights``. The transpose in ``table`` assumes each table row
     is read by at most one output row (through any number of its ``k``), which holds for every
     use in dispatch and combine (each expert row, send row or forwarded row belongs to one token).
     """
+    out_dtype = jnp.dtype(out_dtype)
     if weights is None:
-        return _gather_sum(table, idx, ok, jnp.ones(idx.shape, jnp.float32), False)
-    return _gather_sum(table, idx, ok, weights, True)
+        return _gather_sum(table, idx, ok, jnp.ones(idx.shape, jnp.float32), False, out_dtype)
+    return _gather_sum(table, idx, ok, weights, True, out_dtype)
 
 
-def _gather_sum_fwd_impl(table, idx, ok, weights, weighted):
-    acc = None
-    for k in range(idx.shape[1]):
-        rows = _take(table, jnp.where(ok[:, k], idx[:, k], -1)).astype(jnp.float32)
-        if weighted:  # masked slots stay exactly zero whatever their weight
-            rows = jnp.where(ok[:, k, None], weights[:, k, None] * rows, 0.0)
-        acc = rows if acc is None else acc + rows
-    return acc
+def _gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype):
+    # masked slots stay exactly zero whatever their weight: the kernel skips them
+    return row_kernels.gather_sum(table, jnp.where(ok, idx, -1),
+                                  weights if weighted else None, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gather_sum(table, idx, ok, weights, weighted):
-    return _gather_sum_fwd_impl(table, idx, ok, weights, weighted)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gather_sum(table, idx, ok, weights, weighted, out_dtype):
+    return _gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype)
 
 
-def _gather_sum_fwd(table, idx, ok, weights, weighted):
-    return (_gather_sum_fwd_impl(table, idx, ok, weights, weighted),
+def _gather_sum_fwd(table, idx, ok, weights, weighted, out_dtype):
+    return (_gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype),
             (table, idx, ok, weights))
 
 
-def _gather_sum_bwd(weighted, res, d_out):
+def _gather_sum_bwd(weighted, out_dtype, res, d_out):
     table, idx, ok, weights = res
     Nt, (N, K) = table.shape[0], idx.shape
     i32 = jnp.int32
@@ -134,8 +141,8 @@ def _gather_sum_bwd(weighted, res, d_out):
     # that row's total weight on each table row (its slots reading it), summed in k order
     q = jnp.arange(Nt, dtype=i32)[:, None]
     coef = jnp.sum(jnp.where(live[o] & (idx[o] == q), weights[o], 0.0), axis=1)
-    d_rows = jnp.take(d_out, o, axis=0)
-    d_table = jnp.where(has[:, None], coef[:, None] * d_rows, 0.0).astype(table.dtype)
+    d_table = row_kernels.gather_sum(d_out, jnp.where(has, o, -1)[:, None], coef[:, None],
+                                     out_dtype=table.dtype)
     if weighted:  # d_w[n, k] = <table[idx[n, k]], d_out[n]> on live slots
         d_w = jnp.stack([
             jnp.sum(_take(table, jnp.where(live[:, k], idx[:, k], -1)).astype(jnp.float32)

@@ -61,9 +61,15 @@ class Reference:
             self.dropped[d] = distinct - len(placed)
         self.invalid = np.sum((ids != -1) & ~valid)
 
-    def expert_x(self, x):
+    def expert_x(self, x, zero_fill=False):
+        """Per rank ``(C, H)``: the groups' rows, then ``ZERO_TAIL_ROWS`` zero rows, then NaN (the
+        unspecified rows, as the XLA path poisons them) or, with ``zero_fill``, zeros."""
+        from ep_comm.expand import ZERO_TAIL_ROWS
+
         out = np.zeros((self.n, self.C, x.shape[1]), np.float64)
         for d, rows in enumerate(self.rows):
+            if not zero_fill:
+                out[d, len(rows) + ZERO_TAIL_ROWS:] = np.nan
             for r, (tok, _) in enumerate(rows):
                 out[d, r] = x[tok]
         return out

@@ -58,7 +58,8 @@ def test_dispatch_layout_and_identity_combine(sharded, n, rng, kind, backend):
     x, ids, w = inputs(rng, n, kind)
     ex, y, h = run_identity(sharded, cfg, x, ids, w)
     ref = Reference(ids, n, cfg.num_experts, T, cfg.expert_rows, cfg.recv_token_rows)
-    # expert_x: grouped per local expert, in (source rank, token, k) order, zeros after the groups.
+    # expert_x: grouped per local expert, in (source rank, token, k) order, then the zero tail
+    # and the unspecified rows (NaN on this path).
     np.testing.assert_array_equal(ex.reshape(n, cfg.expert_rows, H), ref.expert_x(x))
     np.testing.assert_array_equal(h.group_sizes.reshape(n, -1), ref.group_sizes)
     np.testing.assert_array_equal(h.num_dropped, 0)

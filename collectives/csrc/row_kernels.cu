@@ -1,0 +1,270 @@
+// Row kernels of dispatch and combine (GPU): the gathers that move token rows by index, as XLA FFI
+// handlers. Python: collectives/row_kernels.py, which lowers the same ops to XLA elsewhere (the
+// CPU reference these kernels must equal).
+//
+//   ep_comm_rows_gather      out[i] = table[idx[i]] for idx[i] in [0, N); zero for idx[i] < 0; left
+//                            unwritten for idx[i] >= N (rows the caller calls unspecified: no
+//                            memset of a worst-case buffer). Rows are bytes: any dtype, FP8 rows
+//                            with their scales included.
+//   ep_comm_rows_gather_sum  out[m] = sum_k w[m, k] * table[idx[m, k]], accumulated in float32 in
+//                            k order, slots with an index outside [0, N) skipped (they add exactly
+//                            nothing, even where the table holds NaN); written once in out's dtype.
+//
+// Both read every index on the device (no host round trip) and never read or write outside their
+// buffers whatever the indices hold. Handlers return ffi::Error; nothing throws across the C ABI.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "call_shape.h"
+#include "row_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ep_comm::rows {
+namespace {
+
+constexpr int kThreads = 256;
+
+std::string cuda_str(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
+
+// Blocks for a grid-stride loop over `work` units of `per_block`: enough to fill the GPU, no more.
+int grid_for(int64_t work, int per_block) {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 132;
+  }();
+  const int64_t need = (work + per_block - 1) / per_block;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(need, int64_t{sms} * 16)));
+}
+
+// Threads that copy one row together: a warp for short rows, up to the whole block for long ones.
+int lanes_for(int64_t units) {
+  int lanes = 32;
+  while (lanes < kThreads && int64_t{lanes} * 4 < units) lanes *= 2;
+  return lanes;
+}
+
+// ---- gather -------------------------------------------------------------------------------------
+
+template <typename V>
+__device__ __forceinline__ V load_nc(const V* p) { return __ldg(p); }
+
+template <typename V>
+__global__ void __launch_bounds__(kThreads)
+gather_kernel(const V* __restrict__ table, const int32_t* __restrict__ idx, V* __restrict__ out,
+              int64_t n_table, int64_t m, int64_t units, int lanes) {
+  const int rows_per_block = kThreads / lanes;
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = int64_t{blockIdx.x} * rows_per_block + threadIdx.x / lanes; i < m;
+       i += int64_t{gridDim.x} * rows_per_block) {
+    const int64_t r = idx[i];
+    V* dst = out + i * units;
+    if (r >= 0 && r < n_table) {
+      const V* src = table + r * units;
+      int64_t c = lane;
+      for (; c + 3 * lanes < units; c += 4 * lanes) {  // four loads in flight, then four stores
+        const V a = load_nc(src + c), b = load_nc(src + c + lanes),
+                d = load_nc(src + c + 2 * lanes), e = load_nc(src + c + 3 * lanes);
+        dst[c] = a;
+        dst[c + lanes] = b;
+        dst[c + 2 * lanes] = d;
+        dst[c + 3 * lanes] = e;
+      }
+      for (; c < units; c += lanes) dst[c] = load_nc(src + c);
+    } else if (r < 0) {
+      for (int64_t c = lane; c < units; c += lanes) dst[c] = V{};
+    }
+  }
+}
+
+template <typename V>
+cudaError_t launch_gather(cudaStream_t s, const void* table, const int32_t* idx, void* out,
+                          int64_t n_table, int64_t m, int64_t row_bytes) {
+  const int64_t units = row_bytes / static_cast<int64_t>(sizeof(V));
+  const int lanes = lanes_for(units);
+  gather_kernel<V><<<grid_for(m, kThreads / lanes), kThreads, 0, s>>>(
+      static_cast<const V*>(table), idx, static_cast<V*>(out), n_table, m, units, lanes);
+  return cudaGetLastError();
+}
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+ffi::Error Gather(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> idx,
+                  ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t row_bytes = row_bytes_of(table), n_table = rows_of(table);
+  const int64_t m = idx.element_count();
+  if (row_bytes_of(*out) != row_bytes || rows_of(*out) != m ||
+      out->element_type() != table.element_type()) {
+    return ffi::Error::InvalidArgument(
+        "ep_comm rows gather: the result must have one row of the table's type and width per "
+        "index; got " + std::to_string(m) + " indices, table rows of " + std::to_string(row_bytes) +
+        " bytes, result of " + std::to_string(rows_of(*out)) + " rows of " +
+        std::to_string(row_bytes_of(*out)) + " bytes");
+  }
+  if (m == 0 || row_bytes == 0) return ffi::Error::Success();
+  const void* t = table.untyped_data();
+  void* o = out->untyped_data();
+  const int32_t* ix = idx.typed_data();
+  cudaError_t e;
+  if (row_bytes % 16 == 0 && aligned(t, 16) && aligned(o, 16)) {
+    e = launch_gather<uint4>(stream, t, ix, o, n_table, m, row_bytes);
+  } else if (row_bytes % 8 == 0 && aligned(t, 8) && aligned(o, 8)) {
+    e = launch_gather<uint2>(stream, t, ix, o, n_table, m, row_bytes);
+  } else if (row_bytes % 4 == 0 && aligned(t, 4) && aligned(o, 4)) {
+    e = launch_gather<uint32_t>(stream, t, ix, o, n_table, m, row_bytes);
+  } else {
+    e = launch_gather<uint8_t>(stream, t, ix, o, n_table, m, row_bytes);
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal("ep_comm rows gather: launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+// ---- gather_sum ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+// One block per output row (grid-stride); each thread owns VEC consecutive columns at a time and
+// adds the K slots in order: acc = w0*r0 + w1*r1 + ... exactly as the XLA reference sums them.
+template <typename Tin, typename Tout, int VEC>
+__global__ void __launch_bounds__(kThreads)
+gather_sum_kernel(const Tin* __restrict__ table, const int32_t* __restrict__ idx,
+                  const float* __restrict__ w, Tout* __restrict__ out, int64_t n_table, int64_t m,
+                  int K, int64_t packs) {
+  using In = Pack<Tin, VEC>;
+  using Out = Pack<Tout, VEC>;
+  const In* tab = reinterpret_cast<const In*>(table);
+  Out* dst = reinterpret_cast<Out*>(out);
+  for (int64_t row = blockIdx.x; row < m; row += gridDim.x) {
+    const int32_t* ix = idx + row * K;
+    const float* wr = w + row * K;
+    for (int64_t c = threadIdx.x; c < packs; c += kThreads) {
+      float acc[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        const int64_t r = ix[k];
+        if (r < 0 || r >= n_table) continue;
+        const float wk = wr[k];
+        const In v = tab[r * packs + c];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += wk * to_f32(v.v[j]);
+      }
+      Out o;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o.v[j] = from_f32<Tout>(acc[j]);
+      dst[row * packs + c] = o;
+    }
+  }
+}
+
+template <typename Tin, typename Tout>
+cudaError_t launch_gather_sum(cudaStream_t s, const void* table, const int32_t* idx,
+                              const float* w, void* out, int64_t n_table, int64_t m, int K,
+                              int64_t H) {
+  constexpr int kVec = 16 / sizeof(Tin);  // 16-byte loads of the table
+  const bool vec = H % kVec == 0 && aligned(table, 16) &&
+                   aligned(out, sizeof(Tout) * kVec);
+  if (vec) {
+    gather_sum_kernel<Tin, Tout, kVec><<<grid_for(m, 1), kThreads, 0, s>>>(
+        static_cast<const Tin*>(table), idx, w, static_cast<Tout*>(out), n_table, m, K, H / kVec);
+  } else {
+    gather_sum_kernel<Tin, Tout, 1><<<grid_for(m, 1), kThreads, 0, s>>>(
+        static_cast<const Tin*>(table), idx, w, static_cast<Tout*>(out), n_table, m, K, H);
+  }
+  return cudaGetLastError();
+}
+
+template <typename Tin>
+cudaError_t gather_sum_out(ffi::DataType out_type, cudaStream_t s, const void* table,
+                           const int32_t* idx, const float* w, void* out, int64_t n_table,
+                           int64_t m, int K, int64_t H) {
+  switch (out_type) {
+    case ffi::DataType::F32: return launch_gather_sum<Tin, float>(s, table, idx, w, out, n_table, m, K, H);
+    case ffi::DataType::BF16: return launch_gather_sum<Tin, __nv_bfloat16>(s, table, idx, w, out, n_table, m, K, H);
+    case ffi::DataType::F16: return launch_gather_sum<Tin, __half>(s, table, idx, w, out, n_table, m, K, H);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+bool summable(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+ffi::Error GatherSum(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> idx,
+                     ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
+  const auto idims = idx.dimensions();
+  const auto tdims = table.dimensions();
+  const auto odims = out->dimensions();
+  const std::string where = "ep_comm rows gather_sum: ";
+  if (idims.size() != 2 || weights.dimensions().size() != 2 ||
+      weights.dimensions()[0] != idims[0] || weights.dimensions()[1] != idims[1]) {
+    return ffi::Error::InvalidArgument(where + "idx and weights must both be (M, K)");
+  }
+  if (tdims.size() != 2 || odims.size() != 2 || odims[0] != idims[0] || odims[1] != tdims[1]) {
+    return ffi::Error::InvalidArgument(where + "table must be (N, H) and the result (M, H)");
+  }
+  if (!summable(table.element_type()) || !summable(out->element_type())) {
+    return ffi::Error::InvalidArgument(where + "table and result must be float32, bfloat16 or "
+                                       "float16");
+  }
+  const int64_t m = idims[0], H = tdims[1], n_table = tdims[0];
+  const int K = static_cast<int>(idims[1]);
+  if (m == 0 || H == 0) return ffi::Error::Success();
+  const void* t = table.untyped_data();
+  void* o = out->untyped_data();
+  const int32_t* ix = idx.typed_data();
+  const float* w = weights.typed_data();
+  cudaError_t e;
+  switch (table.element_type()) {
+    case ffi::DataType::F32: e = gather_sum_out<float>(out->element_type(), stream, t, ix, w, o, n_table, m, K, H); break;
+    case ffi::DataType::BF16: e = gather_sum_out<__nv_bfloat16>(out->element_type(), stream, t, ix, w, o, n_table, m, K, H); break;
+    default: e = gather_sum_out<__half>(out->element_type(), stream, t, ix, w, o, n_table, m, K, H); break;
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGather, Gather,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // table (N, ...)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // idx (M,)
+                                  .Ret<ffi::AnyBuffer>());       // out (M, ...)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // table (N, H)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // idx (M, K)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights (M, K)
+                                  .Ret<ffi::AnyBuffer>());       // out (M, H)
+
+void* gather_handler() { return reinterpret_cast<void*>(kGather); }
+void* gather_sum_handler() { return reinterpret_cast<void*>(kGatherSum); }
+
+}  // namespace ep_comm::rows

@@ -1,0 +1,9 @@
+// Host-side interface of the row kernels (row_kernels.cu), used by the Python bindings.
+#pragma once
+
+namespace ep_comm::rows {
+
+void* gather_handler();      // XLA FFI handler ep_comm_rows_gather
+void* gather_sum_handler();  // XLA FFI handler ep_comm_rows_gather_sum
+
+}  // namespace ep_comm::rows

@@ -1,0 +1,12 @@
+// Python bindings of the row kernels (nanobind): the FFI handlers as capsules.
+#include <nanobind/nanobind.h>
+
+#include "row_kernels.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_ep_rows, m) {
+  m.doc() = "ep_comm row kernels: the gathers of dispatch and combine as XLA FFI handlers (CUDA)";
+  m.def("gather_handler", []() { return nb::capsule(ep_comm::rows::gather_handler()); });
+  m.def("gather_sum_handler", []() { return nb::capsule(ep_comm::rows::gather_sum_handler()); });
+}

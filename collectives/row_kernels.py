@@ -1,0 +1,256 @@
+"""The row kernels of dispatch and combine: the gathers that move token rows by index.
+
+Two primitives, each lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
+``_ep_rows``) on GPUs where it is built, and to XLA everywhere else; the XLA lowering is the
+reference the kernels equal (``tests/test_row_kernels.py`` checks it on the GPU, bitwise for
+:func:`gather`, to float32 reassociation for :func:`gather_sum`).
+
+- :func:`gather`: ``out[i] = table[idx[i]]``, rows of any dtype (FP8 rows as bytes too). A row
+  with a negative index is zero; a row with an index ``>= len(table)`` is *unspecified*: the kernel
+  does not write it (no memset of a worst-case buffer), and the XLA reference poisons it (NaN, or
+  all bits set for integers), so that a test on any platform sees a consumer that reads such
+  rows.
+- :func:`gather_sum`: ``out[m] = sum_k w[m, k] * table[idx[m, k]]`` accumulated in float32 in
+  ``k`` order, slots whose index is outside the table skipped (they add exactly nothing, even where
+  the table holds NaN), written once in the requested dtype.
+
+``EP_COMM_ROW_KERNELS=0`` (read when a program is traced) or :func:`xla_only` use the XLA lowering
+on GPUs too, for A/B comparisons. Both primitives are linear in the table (and ``gather_sum`` in
+the weights) with jvp, transpose (scatter-adds: ``ep_comm.rows`` gives dispatch and combine custom
+VJPs that avoid them) and batching rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from collectives import bootstrap
+from topology.jax_compat import match_vma
+
+_forced_xla = 0
+
+
+def available() -> str | None:
+    """None when the CUDA row kernels are built and loadable here, else why not."""
+    return bootstrap.load("rows")[1]
+
+
+@contextlib.contextmanager
+def xla_only():
+    """Trace with the XLA lowering on every platform inside this block."""
+    global _forced_xla
+    _forced_xla += 1
+    try:
+        yield
+    finally:
+        _forced_xla -= 1
+
+
+def _want_kernels() -> bool:
+    return not _forced_xla and os.environ.get("EP_COMM_ROW_KERNELS", "1") != "0"
+
+
+def _same_vma(*xs):
+    """Every operand marked varying over the mesh axes any of them varies over."""
+    out = list(xs)
+    for i in range(len(out)):
+        for other in xs:
+            out[i] = match_vma(out[i], other)
+    return out
+
+
+def _poison(dtype):
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.array(jnp.nan, dtype)
+    return jnp.array(np.array(-1, np.int64).astype(dtype))  # all bits set
+
+
+# --- gather ---------------------------------------------------------------------------------------
+
+def gather(table, idx):
+    """``table[idx]`` (rows); rows with a negative index: zero; with an index ``>= N``:
+    unspecified. ``table``: ``(N, ...)``; ``idx``: ``(M,)`` integer. Returns ``(M, ...)``."""
+    table = jnp.asarray(table)
+    idx = jnp.asarray(idx).astype(jnp.int32)
+    if table.ndim < 1 or idx.ndim != 1:
+        raise ValueError(f"row_kernels.gather: table must have a row axis and idx be 1-D, got "
+                         f"table {tuple(table.shape)} and idx {tuple(idx.shape)}")
+    table, idx = _same_vma(table, idx)
+    return gather_p.bind(table, idx, kernel=_want_kernels())
+
+
+def _gather_reference(table, idx, kernel=None):
+    del kernel
+    n = table.shape[0]
+    ok = (idx >= 0) & (idx < n)
+    rows = jnp.take(table, jnp.clip(idx, 0, max(n - 1, 0)), axis=0) if n else \
+        jnp.zeros((idx.shape[0], *table.shape[1:]), table.dtype)
+    bcast = lambda a: a.reshape(a.shape + (1,) * (table.ndim - 1))  # noqa: E731
+    other = jnp.where(bcast(idx < 0), jnp.zeros((), table.dtype), _poison(table.dtype))
+    return jnp.where(bcast(ok), rows, other)
+
+
+def _gather_abstract(table, idx, *, kernel):
+    return table.update(shape=(idx.shape[0], *table.shape[1:]), weak_type=False)
+
+
+def _gather_jvp(primals, tangents, *, kernel):
+    table, idx = primals
+    out = gather_p.bind(table, idx, kernel=kernel)
+    t = tangents[0]
+    if type(t) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, gather_p.bind(ad.instantiate_zeros(t), idx, kernel=kernel)
+
+
+def _gather_transpose(ct, table, idx, *, kernel):
+    aval = table.aval
+    if type(ct) is ad.Zero:
+        return [ad.Zero(aval), None]
+    n = aval.shape[0]
+    ok = (idx >= 0) & (idx < n)
+    d = jnp.zeros(aval.shape, ct.dtype).at[jnp.where(ok, idx, n)].add(ct, mode="drop")
+    return [d.astype(aval.dtype), None]
+
+
+def _gather_batch(args, dims, *, kernel):
+    return jax.vmap(_gather_reference, in_axes=dims)(*args), 0
+
+
+def _gather_cuda(ctx, table, idx, *, kernel):
+    if kernel and _registered():
+        return jax.ffi.ffi_lowering("ep_comm_rows_gather")(ctx, table, idx)
+    return mlir.lower_fun(_gather_reference, multiple_results=False)(ctx, table, idx)
+
+
+gather_p = Primitive("ep_comm_rows_gather")
+gather_p.def_impl(functools.partial(jax.jit, static_argnames=("kernel",))(
+    lambda table, idx, kernel: gather_p.bind(table, idx, kernel=kernel)))
+gather_p.def_abstract_eval(_gather_abstract)
+ad.primitive_jvps[gather_p] = _gather_jvp
+ad.primitive_transposes[gather_p] = _gather_transpose
+batching.primitive_batchers[gather_p] = _gather_batch
+mlir.register_lowering(gather_p, mlir.lower_fun(
+    lambda table, idx, kernel: _gather_reference(table, idx), multiple_results=False))
+mlir.register_lowering(gather_p, _gather_cuda, platform="cuda")
+
+
+# --- gather_sum -----------------------------------------------------------------------------------
+
+_SUMMABLE = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def gather_sum(table, idx, weights=None, *, out_dtype=jnp.float32):
+    """``sum_k weights[:, k] * table[idx[:, k]]`` in float32 (``k`` in order), as ``out_dtype``.
+
+    ``table``: ``(N, H)`` float32/bfloat16/float16; ``idx``: ``(M, K)`` integer, entries outside
+    ``[0, N)`` skipped; ``weights``: ``(M, K)`` (default: ones). Returns ``(M, H)``."""
+    table = jnp.asarray(table)
+    idx = jnp.asarray(idx).astype(jnp.int32)
+    if table.ndim != 2 or idx.ndim != 2:
+        raise ValueError(f"row_kernels.gather_sum: table must be (N, H) and idx (M, K), got "
+                         f"table {tuple(table.shape)} and idx {tuple(idx.shape)}")
+    out_dtype = jnp.dtype(out_dtype)
+    if table.dtype not in _SUMMABLE or out_dtype not in _SUMMABLE:
+        raise ValueError(f"row_kernels.gather_sum: table and out_dtype must be float32, bfloat16 "
+                         f"or float16, got {table.dtype} and {out_dtype}")
+    weights = (jnp.ones(idx.shape, jnp.float32) if weights is None
+               else jnp.asarray(weights).astype(jnp.float32))
+    if weights.shape != idx.shape:
+        raise ValueError(f"row_kernels.gather_sum: weights must have idx's shape {idx.shape}, "
+                         f"got {weights.shape}")
+    table, idx, weights = _same_vma(table, idx, weights)
+    return gather_sum_p.bind(table, idx, weights, out_dtype=out_dtype, kernel=_want_kernels())
+
+
+def _gather_sum_reference(table, idx, weights, *, out_dtype, kernel=None):
+    del kernel
+    n = table.shape[0]
+    acc = jnp.zeros((idx.shape[0], table.shape[1]), jnp.float32)
+    for k in range(idx.shape[1]):
+        ok = (idx[:, k] >= 0) & (idx[:, k] < n)
+        rows = jnp.take(table, jnp.clip(idx[:, k], 0, max(n - 1, 0)), axis=0).astype(jnp.float32)
+        acc = acc + jnp.where(ok[:, None], weights[:, k, None] * rows, 0.0)
+    return acc.astype(out_dtype)
+
+
+def _gather_sum_abstract(table, idx, weights, *, out_dtype, kernel):
+    return table.update(shape=(idx.shape[0], table.shape[1]), dtype=out_dtype, weak_type=False)
+
+
+def _gather_sum_jvp(primals, tangents, *, out_dtype, kernel):
+    table, idx, weights = primals
+    t_table, _, t_w = tangents
+    out = gather_sum_p.bind(table, idx, weights, out_dtype=out_dtype, kernel=kernel)
+    terms = []
+    if type(t_table) is not ad.Zero:  # bilinear: d(table) with the weights, d(w) with the table
+        terms.append(gather_sum_p.bind(t_table, idx, weights, out_dtype=out_dtype, kernel=kernel))
+    if type(t_w) is not ad.Zero:
+        terms.append(gather_sum_p.bind(table, idx, t_w, out_dtype=out_dtype, kernel=kernel))
+    if not terms:
+        return out, ad.Zero.from_primal_value(out)
+    return out, functools.reduce(jnp.add, terms)
+
+
+def _gather_sum_transpose(ct, table, idx, weights, *, out_dtype, kernel):
+    undefined_table, undefined_w = ad.is_undefined_primal(table), ad.is_undefined_primal(weights)
+    t_aval = table.aval if undefined_table else jax.typeof(table)
+    w_aval = weights.aval if undefined_w else jax.typeof(weights)
+    if type(ct) is ad.Zero:
+        return [ad.Zero(t_aval) if undefined_table else None, None,
+                ad.Zero(w_aval) if undefined_w else None]
+    n = t_aval.shape[0]
+    ok = (idx >= 0) & (idx < n)
+    ct = ct.astype(jnp.float32)
+    d_table = d_w = None
+    if undefined_table:  # scatter-add of w * ct rows (ep_comm.rows' custom VJP avoids it)
+        rows = weights[:, :, None] * ct[:, None, :]
+        d_table = jnp.zeros(t_aval.shape, jnp.float32).at[jnp.where(ok, idx, n)].add(
+            rows, mode="drop").astype(t_aval.dtype)
+    if undefined_w:
+        rows = jnp.take(table, jnp.clip(idx, 0, n - 1), axis=0).astype(jnp.float32)
+        d_w = jnp.where(ok, jnp.einsum("mkh,mh->mk", rows, ct), 0.0).astype(w_aval.dtype)
+    return [d_table, None, d_w]
+
+
+def _gather_sum_batch(args, dims, *, out_dtype, kernel):
+    return jax.vmap(functools.partial(_gather_sum_reference, out_dtype=out_dtype),
+                    in_axes=dims)(*args), 0
+
+
+def _gather_sum_cuda(ctx, table, idx, weights, *, out_dtype, kernel):
+    if kernel and _registered():
+        return jax.ffi.ffi_lowering("ep_comm_rows_gather_sum")(ctx, table, idx, weights)
+    return mlir.lower_fun(functools.partial(_gather_sum_reference, out_dtype=out_dtype),
+                          multiple_results=False)(ctx, table, idx, weights)
+
+
+gather_sum_p = Primitive("ep_comm_rows_gather_sum")
+gather_sum_p.def_impl(functools.partial(jax.jit, static_argnames=("out_dtype", "kernel"))(
+    lambda table, idx, weights, out_dtype, kernel: gather_sum_p.bind(
+        table, idx, weights, out_dtype=out_dtype, kernel=kernel)))
+gather_sum_p.def_abstract_eval(_gather_sum_abstract)
+ad.primitive_jvps[gather_sum_p] = _gather_sum_jvp
+ad.primitive_transposes[gather_sum_p] = _gather_sum_transpose
+batching.primitive_batchers[gather_sum_p] = _gather_sum_batch
+mlir.register_lowering(gather_sum_p, mlir.lower_fun(
+    lambda table, idx, weights, out_dtype, kernel: _gather_sum_reference(
+        table, idx, weights, out_dtype=out_dtype), multiple_results=False))
+mlir.register_lowering(gather_sum_p, _gather_sum_cuda, platform="cuda")
+
+
+def _registered() -> bool:
+    """Register the kernels with XLA (once); False when they are not built here."""
+    if available() is not None:
+        return False
+    bootstrap.register_targets("rows")
+    return True

@@ -1,0 +1,223 @@
+"""collectives.row_kernels: the row gathers of dispatch and combine.
+
+Everywhere: the XLA lowering's contract (zero and unspecified rows, masked slots, dtypes), its
+transform rules and errors. On a GPU with the kernels built: each kernel against the XLA lowering
+(``row_kernels.xla_only``), bitwise for the gathers and to float32 reassociation for the sums, on
+malformed indices too (``compute-sanitizer`` runs this file in ``scripts/gpu_check.sh``), and the
+receive side of dispatch and combine on buffers built as if they came from 2, 4, 8 and 64 ranks,
+both plans: the multi-rank index math with the kernels moving the rows, on one GPU.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ep_comm
+from collectives import row_kernels
+from ep_comm.expand import ZERO_TAIL_ROWS, expand
+from ep_comm.routes import Route
+from ep_comm.rows import gather_sum as rows_gather_sum
+
+ON_GPU = jax.default_backend() == "gpu" and row_kernels.available() is None
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU with the row kernels built")
+
+
+def _both(fn, *args):
+    """``fn(*args)`` with the kernels (where built) and with the XLA lowering."""
+    got = jax.jit(fn)(*args)
+    with row_kernels.xla_only():
+        want = jax.jit(lambda *a: fn(*a))(*args)
+    return got, want
+
+
+# --- the contract, on every platform ---------------------------------------------------------------
+
+def test_gather_zero_and_unspecified_rows():
+    table = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+    idx = jnp.array([2, -1, 4, 0, -7, 99], jnp.int32)
+    out = np.asarray(jax.jit(row_kernels.gather)(table, idx))
+    np.testing.assert_array_equal(out[[0, 3]], np.asarray(table)[[2, 0]])
+    np.testing.assert_array_equal(out[[1, 4]], 0.0)  # negative: zero
+    if not ON_GPU:  # past the table: unspecified; the XLA path poisons them
+        assert np.isnan(out[[2, 5]]).all()
+    raw = jnp.arange(10, dtype=jnp.uint8).reshape(5, 2)  # bytes: FP8 rows on the wire
+    got = np.asarray(row_kernels.gather(raw, jnp.array([4, -1, 5], jnp.int32)))
+    np.testing.assert_array_equal(got[0], [8, 9])
+    np.testing.assert_array_equal(got[1], [0, 0])
+    if not ON_GPU:
+        np.testing.assert_array_equal(got[2], [255, 255])
+
+
+def test_gather_sum_masks_slots_and_casts_once():
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((6, 16)).astype(np.float32)
+    table[5] = np.nan  # read only through out-of-range or masked slots: must add nothing
+    idx = np.array([[0, 1, -1], [2, 6, 3], [4, 4, -3]], np.int32)
+    w = rng.random((3, 3)).astype(np.float32)
+    got = np.asarray(row_kernels.gather_sum(jnp.asarray(table, jnp.bfloat16), idx, w,
+                                            out_dtype=jnp.bfloat16), np.float32)
+    t16 = np.asarray(jnp.asarray(table, jnp.bfloat16), np.float32)
+    want = np.zeros((3, 16), np.float32)
+    for m in range(3):
+        for k in range(3):
+            if 0 <= idx[m, k] < 6:
+                want[m] += w[m, k] * t16[idx[m, k]]
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-6)  # one bf16 rounding
+    unweighted = row_kernels.gather_sum(table[:5], idx)
+    np.testing.assert_allclose(unweighted[2], 2 * table[4], rtol=1e-6)
+
+
+def test_rules_jvp_transpose_vmap():
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.standard_normal((5, 4)), jnp.float32)
+    idx = jnp.array([1, 1, -1, 3], jnp.int32)
+    idx2 = jnp.array([[0, 1], [2, -1], [4, 4]], jnp.int32)
+    w = jnp.asarray(rng.random((3, 2)), jnp.float32)
+    plain = lambda t: jnp.where((idx >= 0)[:, None], t[jnp.clip(idx, 0)], 0.0)  # noqa: E731
+    cot = jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)
+    np.testing.assert_allclose(jax.vjp(lambda t: row_kernels.gather(t, idx), table)[1](cot)[0],
+                               jax.vjp(plain, table)[1](cot)[0], rtol=1e-6)
+
+    def dense(t, w):
+        ok = (idx2 >= 0) & (idx2 < 5)
+        return jnp.sum(jnp.where(ok[..., None], w[..., None] * t[jnp.clip(idx2, 0, 4)], 0.0), 1)
+    cot2 = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+    got = jax.vjp(lambda t, w: row_kernels.gather_sum(t, idx2, w), table, w)[1](cot2)
+    want = jax.vjp(dense, table, w)[1](cot2)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6)
+    batched = jax.vmap(lambda t: row_kernels.gather_sum(t, idx2, w))(jnp.stack([table, 2 * table]))
+    np.testing.assert_allclose(batched[1], 2 * batched[0], rtol=1e-6)
+    gb = jax.vmap(row_kernels.gather, in_axes=(None, 0))(table, jnp.stack([idx, idx[::-1]]))
+    np.testing.assert_array_equal(gb[1], row_kernels.gather(table, idx[::-1]))
+
+
+def test_errors_name_the_argument():
+    t = jnp.zeros((4, 3))
+    with pytest.raises(ValueError, match=r"row_kernels.gather: table must have a row axis and idx "
+                                         r"be 1-D, got table \(4, 3\) and idx \(2, 2\)"):
+        row_kernels.gather(t, jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"row_kernels.gather_sum: table and out_dtype must be "
+                                         r"float32, bfloat16 or float16, got int32 and float32"):
+        row_kernels.gather_sum(jnp.zeros((4, 3), jnp.int32), jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"row_kernels.gather_sum: weights must have idx's shape "
+                                         r"\(2, 2\), got \(2, 3\)"):
+        row_kernels.gather_sum(t, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 3)))
+
+
+def test_expert_x_zero_fill_option():
+    """``EPConfig(zero_fill=True)``: every row past the groups is zero (the default leaves all
+    but the first ZERO_TAIL_ROWS unspecified)."""
+    n, L, K, T, H = 2, 3, 2, 200, 8
+    rng = np.random.default_rng(4)
+    route, num_recv, me = _synthetic_route(rng, n, L, K, T, H, plan="flat")
+    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=n * L, topk=K, tokens_per_rank=T)
+    used = int(jnp.sum(expand(cfg, route, num_recv, me).group_sizes))
+    dflt = np.asarray(expand(cfg, route, num_recv, me).expert_x)
+    filled = np.asarray(expand(dataclasses.replace(cfg, zero_fill=True), route, num_recv,
+                               me).expert_x)
+    np.testing.assert_array_equal(filled[:used], dflt[:used])
+    np.testing.assert_array_equal(filled[used:], 0.0)
+    np.testing.assert_array_equal(dflt[used:used + ZERO_TAIL_ROWS], 0.0)
+    if not ON_GPU:
+        assert np.isnan(dflt[used + ZERO_TAIL_ROWS:]).all()
+    with pytest.raises(TypeError, match="EPConfig: zero_fill must be a bool, got int"):
+        dataclasses.replace(cfg, zero_fill=1)
+
+
+# --- the kernels against the XLA lowering (GPU) -----------------------------------------------------
+
+@gpu_only
+@pytest.mark.parametrize("dtype,width", [(jnp.bfloat16, 7168), (jnp.float32, 100),
+                                         (jnp.uint8, 7392), (jnp.uint8, 3), (jnp.bfloat16, 6),
+                                         (jnp.float32, 16)])
+def test_gather_kernel_bitwise(dtype, width):
+    rng = np.random.default_rng(width)
+    N, M = 300, 517
+    table = jnp.asarray(rng.integers(0, 255, (N, width)) if dtype == jnp.uint8
+                        else rng.standard_normal((N, width)), dtype)
+    # in range, negative (zero), past the table (unwritten) and far out: malformed indices
+    idx = rng.choice(np.array([-1, -2 ** 31, N, N + 7, 2 ** 31 - 1] + list(range(N))), M)
+    idx = jnp.asarray(idx, jnp.int32)
+    got, want = _both(row_kernels.gather, table, idx)
+    defined = np.asarray(idx) < N
+    np.testing.assert_array_equal(np.asarray(got)[defined], np.asarray(want)[defined])
+
+
+@gpu_only
+@pytest.mark.parametrize("tdt,odt", [(jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+                                     (jnp.float32, jnp.float32), (jnp.float16, jnp.bfloat16)])
+@pytest.mark.parametrize("H", [7168, 36])
+def test_gather_sum_kernel_matches(tdt, odt, H):
+    rng = np.random.default_rng(H)
+    N, M, K = 400, 333, 8
+    table = jnp.asarray(rng.standard_normal((N, H)), tdt)
+    idx = jnp.asarray(rng.integers(-3, N + 3, (M, K)), jnp.int32)
+    idx = idx.at[0].set(jnp.array([2 ** 31 - 1, -2 ** 31] * (K // 2), jnp.int32))  # malformed
+    w = jnp.asarray(rng.random((M, K)), jnp.float32)
+    got, want = _both(lambda t, i, w: row_kernels.gather_sum(t, i, w, out_dtype=odt), table,
+                      idx, w)
+    # float32 reassociation (fused multiply-adds), then one rounding to the output dtype
+    rtol = 2 ** -8 if odt == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=rtol, atol=1e-5)
+
+
+def _synthetic_route(rng, n, L, K, T, H, plan, dtype=jnp.bfloat16):
+    """The last-stage receive buffer of rank ``me`` as if ``n`` ranks had sent their tokens:
+    (source rank, token) rows in flat order for "flat", a permutation of them for "hierarchical"
+    (stage-2 buffer order), each token with K distinct global experts, at least one on ``me``."""
+    me = n - 1
+    E = n * L
+    R = n * T
+    num_recv = int(rng.integers(R // 2, R + 1))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(R)])
+    ids[:, 0] = me * L + rng.integers(0, L, R)
+    ids = np.where(np.arange(R)[:, None] < num_recv, ids, -1)
+    ids[rng.random((R, K)) < 0.1] = -1
+    ids[:, 0] = np.where(np.arange(R) < num_recv, me * L + rng.integers(0, L, R), -1)
+    w = np.where(ids >= 0, rng.random((R, K)), 0.0)
+    route = np.concatenate([w, ids], 1).astype(np.float32)
+    x = rng.standard_normal((R, H))
+    flat_to_buf = None
+    if plan == "hierarchical":
+        perm = rng.permutation(R).astype(np.int32)
+        buf_x, buf_route = np.empty_like(x), np.empty_like(route)
+        buf_x[perm], buf_route[perm] = x, route
+        x, route, flat_to_buf = buf_x, buf_route, jnp.asarray(perm)
+    r = Route(jnp.asarray(x, dtype), jnp.asarray(route), flat_to_buf, (), None, None)
+    return r, jnp.int32(num_recv), jnp.int32(me)
+
+
+@gpu_only
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+@pytest.mark.parametrize("plan", ["flat", "hierarchical"])
+def test_receive_side_on_synthetic_ranks(n, plan):
+    """Expand (dispatch's receive side) bitwise and combine's receive-side weighted sum to float32
+    reassociation, kernels against XLA, on a buffer shaped as if n ranks sent it."""
+    L, K, H = 4, 8, 512
+    T = max(8, 2048 // n)
+    rng = np.random.default_rng(n)
+    route, num_recv, me = _synthetic_route(rng, n, L, K, T, H, plan)
+    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=n * L, topk=K, tokens_per_rank=T,
+                           recv_capacity=n * T * K // 3)  # some pairs dropped
+    fields = ("expert_x", "group_sizes", "recv_pos", "recv_weights", "expert_token")
+    got, want = _both(lambda: tuple(getattr(expand(cfg, route, num_recv, me), f)
+                                    for f in fields))
+    got, want = dict(zip(fields, got)), dict(zip(fields, want))
+    used = int(jnp.sum(want["group_sizes"]))
+    for f in fields[1:]:
+        np.testing.assert_array_equal(got[f], want[f])
+    np.testing.assert_array_equal(got["expert_x"][:used + ZERO_TAIL_ROWS],
+                                  want["expert_x"][:used + ZERO_TAIL_ROWS])
+    C = cfg.expert_rows
+    expert_y = jnp.asarray(rng.standard_normal((C, H)), jnp.bfloat16)
+
+    def receive_sum(y):
+        pos = want["recv_pos"]
+        return rows_gather_sum(y, pos, pos < C, want["recv_weights"], out_dtype=jnp.float32)
+    g, w_ = _both(receive_sum, expert_y)
+    np.testing.assert_allclose(g, w_, rtol=1e-6, atol=1e-5)
