@@ -5,7 +5,8 @@
 # the dispatch/combine benchmark at a DeepSeek-V3-like single-rank config, and the topology step:
 # discovery with NVML (`python -m topology`) and the cost model's `self` link calibrated from the
 # engine's exchange at four sizes. STEPS picks steps (default: all of
-# build,tests,exchange,dispatch,topology; `layer` -- the MoE layer and grouped GEMM sweep with
+# build,tests,exchange,dispatch,topology; `sanitize` -- compute-sanitizer memcheck of the row
+# kernels' tests -- and `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- runs when named); nvidia-ml-py is installed from wheels/ when the image
 # lacks it. Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
@@ -36,10 +37,21 @@ step tests && echo "== tests on $("$PY" -c 'import jax; print(jax.device_count()
 step exchange && echo "== exchange bench" && \
 "$PY" -m collectives.bench --rows 4096,32768 --hidden 7168 --overlap --profile "$OUT/profile" \
   --json "$OUT/exchange.json" 2>&1 | tee "$OUT/exchange.txt"
-step dispatch && echo "== dispatch/combine bench" && \
-"$PY" -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
-  --routing uniform --iters 20 --wire-formats none,e4m3,mxfp8 --json "$OUT/bench_T4096.json" 2>&1 \
-  | tee "$OUT/bench_T4096.txt"
+if step sanitize; then
+  echo "== compute-sanitizer memcheck of the row kernels (malformed indices included)"
+  compute-sanitizer --tool memcheck --kernel-name kns=gather --print-limit 20 \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_row_kernels.py 2>&1 | tail -15 \
+    | tee "$OUT/sanitizer.txt"
+fi
+if step dispatch; then
+  echo "== dispatch/combine bench (copy = x a device copy of the compulsory bytes; kern from a trace)"
+  for T in ${BENCH_TOKENS:-4096 128}; do
+    "$PY" -m ep_comm.bench --tokens "$T" --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
+      --routing uniform --iters 20 --wire-formats ${WIRE_FORMATS:-none,e4m3,mxfp8} \
+      --backends "${BENCH_BACKENDS:-nccl,portable}" --profile "/tmp/ep_bench_profile_T$T" \
+      --json "$OUT/bench_T$T.json" 2>&1 | tee "$OUT/bench_T$T.txt"
+  done
+fi
 if step layer; then
   echo "== MoE layer: grouped GEMM passes (tokamax tile sweep) and the layer, DeepSeek-V3 EP8 rank"
   # tokamax travels as wheels in .whl/ (carry it; ../shared/NOTES.md), its xprof import as a stub
