@@ -160,8 +160,9 @@ def test_gather_sum_kernel_matches(tdt, odt, H):
     w = jnp.asarray(rng.random((M, K)), jnp.float32)
     got, want = _both(lambda t, i, w: row_kernels.gather_sum(t, i, w, out_dtype=odt), table,
                       idx, w)
-    # float32 reassociation (fused multiply-adds), then one rounding to the output dtype
-    rtol = 2 ** -8 if odt == jnp.bfloat16 else 1e-6
+    # float32 reassociation (fused multiply-adds), then one rounding to the output dtype: sums
+    # that straddle a bfloat16 rounding boundary differ by one ulp, 2**-7 relative at most
+    rtol = 2 ** -7 if odt == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=rtol, atol=1e-5)
 
