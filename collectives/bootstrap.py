@@ -126,6 +126,8 @@ def register_targets(name: str) -> None:
                                         platform="CUDA")
             jax.ffi.register_ffi_target("ep_comm_rows_gather_sum", mod.gather_sum_handler(),
                                         platform="CUDA")
+            jax.ffi.register_ffi_target("ep_comm_rows_empty", mod.empty_handler(),
+                                        platform="CUDA")
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

@@ -115,7 +115,7 @@ def _jvp(primals, tangents, **params):
     return result, ragged_exchange_p.bind(d_operand, d_output, *idx, **params)
 
 
-def _rows_covered(n_rows, offsets, sizes):
+def rows_covered(n_rows, offsets, sizes):
     """Boolean (n_rows,): rows inside some segment [offsets[i], offsets[i] + sizes[i])."""
     live = (sizes > 0).astype(jnp.int32)
     delta = jnp.zeros((n_rows + 1,), jnp.int32)
@@ -141,7 +141,7 @@ def _transpose(t, operand, output, input_offsets, send_sizes, output_offsets, re
             t, ad.zeros_like_aval(op_aval), landed, recv_sizes, taken, send_sizes,
             axis_name=axis_name, axis_index_groups=axis_index_groups, **reverse)
     if ad.is_undefined_primal(output):
-        covered = _rows_covered(t.shape[0], landed, recv_sizes)
+        covered = rows_covered(t.shape[0], landed, recv_sizes)
         covered = lax.broadcast_in_dim(covered, t.shape, (0,))
         output_t = jnp.where(covered, jnp.zeros((), t.dtype), t)
     return [operand_t, output_t] + [None] * 4

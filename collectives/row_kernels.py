@@ -14,6 +14,9 @@ reference the kernels equal (``tests/test_row_kernels.py`` checks it on the GPU,
   ``k`` order, slots whose index is outside the table skipped (they add exactly nothing, even where
   the table holds NaN), written once in the requested dtype.
 
+And :func:`empty`: a buffer for an exchange to receive into, left uninitialised on GPUs (no
+memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
+
 ``EP_COMM_ROW_KERNELS=0`` (read when a program is traced) or :func:`xla_only` use the XLA lowering
 on GPUs too, for A/B comparisons. Both primitives are linear in the table (and ``gather_sum`` in
 the weights) with jvp, transpose (scatter-adds: ``ep_comm.rows`` gives dispatch and combine custom
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 
 import jax
@@ -246,6 +250,38 @@ mlir.register_lowering(gather_sum_p, mlir.lower_fun(
     lambda table, idx, weights, out_dtype, kernel: _gather_sum_reference(
         table, idx, weights, out_dtype=out_dtype), multiple_results=False))
 mlir.register_lowering(gather_sum_p, _gather_sum_cuda, platform="cuda")
+
+
+# --- empty ----------------------------------------------------------------------------------------
+
+_empty_ids = itertools.count(1)
+
+
+def empty(shape, dtype):
+    """A ``shape`` buffer of ``dtype`` whose values are unspecified (GPU kernels: not written;
+    XLA: NaN, or all bits set for integers). Each call is a distinct buffer."""
+    shape = tuple(int(d) for d in shape)
+    return empty_p.bind(shape=shape, dtype=np.dtype(dtype), uid=next(_empty_ids),
+                        kernel=_want_kernels())
+
+
+def _empty_reference(*, shape, dtype, uid=None, kernel=None):
+    return jnp.full(shape, _poison(dtype))
+
+
+def _empty_cuda(ctx, *, shape, dtype, uid, kernel):
+    if kernel and _registered():
+        return jax.ffi.ffi_lowering("ep_comm_rows_empty")(ctx, id=np.int64(uid))
+    return mlir.lower_fun(functools.partial(_empty_reference, shape=shape, dtype=dtype),
+                          multiple_results=False)(ctx)
+
+
+empty_p = Primitive("ep_comm_rows_empty")
+empty_p.def_impl(lambda *, shape, dtype, uid, kernel: _empty_reference(shape=shape, dtype=dtype))
+empty_p.def_abstract_eval(lambda *, shape, dtype, uid, kernel: jax.core.ShapedArray(shape, dtype))
+mlir.register_lowering(empty_p, lambda ctx, *, shape, dtype, uid, kernel: mlir.lower_fun(
+    functools.partial(_empty_reference, shape=shape, dtype=dtype), multiple_results=False)(ctx))
+mlir.register_lowering(empty_p, _empty_cuda, platform="cuda")
 
 
 def _registered() -> bool:

@@ -27,6 +27,21 @@ def median_us(fn, args, warmup: int, iters: int) -> float:
     return float(np.median(times) * 1e6)
 
 
+def pipelined_us(fn, args, warmup: int, iters: int, reps: int = 5) -> float:
+    """Time per call of ``fn(*args)`` issued ``iters`` times back to back and waited for once
+    (nccl-tests' loop: the host enqueues while the device works, so a per-call host round trip
+    does not count), the median over ``reps`` such loops, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    loops = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(out)
+        loops.append((time.perf_counter() - t0) / iters)
+    return float(np.median(loops) * 1e6)
+
+
 def hardware() -> str:
     """Devices, processes, host CPU and jax version, for the report header."""
     dev = jax.devices()[0]

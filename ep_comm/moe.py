@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from collectives.native import rows_covered
 from ep_comm import plan as plans
 from ep_comm.config import EPConfig
 from ep_comm.expand import expand, expert_rows_read
@@ -264,6 +265,11 @@ def combine(expert_y, handle: EPHandle):
                               out_dtype=wire)
         back = exchange(cfg, plan.stages[0], leg1, node_sum, T * min(K, N), T,
                          "combine (stage 1)", reverse=True)
-    # Source: sum the partials of each token's ranks (or nodes), in order of first choice.
-    return gather_sum(back, handle.token_send_row, handle.token_send_row >= 0,
-                      out_dtype=expert_y.dtype)
+    # Source: sum the partials of each token's ranks (or nodes), in order of first choice; only
+    # the rows that came back (a row the destination did not keep, at a small recv_capacity, did
+    # not: its receive row is unspecified).
+    leg = handle.legs[0]
+    came_back = rows_covered(back.shape[0], leg.input_offsets, leg.send_sizes)
+    row = handle.token_send_row
+    ok = (row >= 0) & came_back[jnp.clip(row, 0, back.shape[0] - 1)]
+    return gather_sum(back, row, ok, out_dtype=expert_y.dtype)

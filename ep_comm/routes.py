@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ep_comm.layout import repeats_earlier
 from ep_comm.ragged import _ragged_all_to_all
+from collectives import row_kernels
 from ep_comm.rows import gather_rows
 from topology.jax_compat import match_vma
 from topology.machine import LINK_CLASSES
@@ -130,9 +131,10 @@ def send_buffer(x, route, item, dest, row, slot_dest, K):
 
 
 def exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse=False):
-    """One leg (or its reverse) of ``stage`` into a fresh zero buffer of ``rows`` rows (typed
-    varying like ``operand``: the result differs per rank)."""
-    out = match_vma(jnp.zeros((rows, *operand.shape[1:]), operand.dtype), operand)
+    """One leg (or its reverse) of ``stage`` into a fresh buffer of ``rows`` rows (typed varying
+    like ``operand``: the result differs per rank). Rows no segment covers are unspecified (not
+    written on GPUs); every reader masks them."""
+    out = match_vma(row_kernels.empty((rows, *operand.shape[1:]), operand.dtype), operand)
     args = ((leg.recv_offsets, leg.recv_sizes, leg.peer_input_offsets, leg.send_sizes) if reverse
             else (leg.input_offsets, leg.send_sizes, leg.output_offsets, leg.recv_sizes))
     return _ragged_all_to_all(operand, out, *args, axis_name=stage.axis_name,

@@ -9,6 +9,7 @@
 //   ep_comm_rows_gather_sum  out[m] = sum_k w[m, k] * table[idx[m, k]], accumulated in float32 in
 //                            k order, slots with an index outside [0, N) skipped (they add exactly
 //                            nothing, even where the table holds NaN); written once in out's dtype.
+//   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
 //
 // Both read every index on the device (no host round trip) and never read or write outside their
 // buffers whatever the indices hold. Handlers return ffi::Error; nothing throws across the C ABI.
@@ -247,7 +248,18 @@ ffi::Error GatherSum(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// ---- empty --------------------------------------------------------------------------------------
+
+// A buffer for an exchange to write into, not initialised: the rows no segment covers are
+// unspecified, and nothing reads them (no memset of a worst-case receive buffer).
+ffi::Error Empty(ffi::Result<ffi::AnyBuffer> /*out*/, int64_t /*id: keeps calls distinct*/) {
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kEmpty, Empty,
+                              ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGather, Gather,
                               ffi::Ffi::Bind()
@@ -266,5 +278,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
 
 void* gather_handler() { return reinterpret_cast<void*>(kGather); }
 void* gather_sum_handler() { return reinterpret_cast<void*>(kGatherSum); }
+void* empty_handler() { return reinterpret_cast<void*>(kEmpty); }
 
 }  // namespace ep_comm::rows

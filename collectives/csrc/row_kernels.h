@@ -5,5 +5,6 @@ namespace ep_comm::rows {
 
 void* gather_handler();      // XLA FFI handler ep_comm_rows_gather
 void* gather_sum_handler();  // XLA FFI handler ep_comm_rows_gather_sum
+void* empty_handler();       // XLA FFI handler ep_comm_rows_empty
 
 }  // namespace ep_comm::rows

@@ -9,4 +9,5 @@ NB_MODULE(_ep_rows, m) {
   m.doc() = "ep_comm row kernels: the gathers of dispatch and combine as XLA FFI handlers (CUDA)";
   m.def("gather_handler", []() { return nb::capsule(ep_comm::rows::gather_handler()); });
   m.def("gather_sum_handler", []() { return nb::capsule(ep_comm::rows::gather_sum_handler()); });
+  m.def("empty_handler", []() { return nb::capsule(ep_comm::rows::empty_handler()); });
 }
