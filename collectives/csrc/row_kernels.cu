@@ -18,8 +18,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "call_shape.h"
 #include "row_kernels.h"
@@ -257,6 +260,81 @@ ffi::Error Empty(ffi::Result<ffi::AnyBuffer> /*out*/, int64_t /*id: keeps calls 
 }
 
 }  // namespace
+
+// The kernels on malformed indices (every int32 extreme, negative, past the table), outside XLA,
+// so that compute-sanitizer can watch them without a JAX process: a gather of 7392-byte rows
+// (16-byte path), of 3-byte rows (byte path) and a weighted bf16 sum into float32. Returns the
+// number of wrong output values (defined rows against the table, zero rows), or -1 when CUDA
+// fails.
+int64_t selftest() {
+  const int64_t N = 64, M = 300, K = 8, H = 3696;  // 7392-byte rows = H bf16
+  std::vector<int32_t> idx(M), idx2(M * K);
+  uint32_t seed = 12345;
+  auto next = [&]() { seed = seed * 1664525u + 1013904223u; return seed; };
+  const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, static_cast<int32_t>(N),
+                         static_cast<int32_t>(N + 1000), -7};
+  for (auto* v : {&idx, &idx2}) {
+    for (auto& i : *v) i = next() % 3 ? static_cast<int32_t>(next() % N) : odd[next() % 6];
+  }
+  std::vector<uint16_t> table(N * H);
+  for (auto& t : table) t = static_cast<uint16_t>(0x3c00 + next() % 512);  // finite bf16
+  std::vector<float> w(M * K);
+  for (auto& x : w) x = static_cast<float>(next() % 1000) / 1000.0f;
+  void *d_table = nullptr, *d_out = nullptr, *d_idx = nullptr, *d_idx2 = nullptr, *d_w = nullptr;
+  float* d_sum = nullptr;
+  int64_t wrong = -1;
+  cudaStream_t s = nullptr;
+  auto ok = [](cudaError_t e) { return e == cudaSuccess; };
+  if (ok(cudaStreamCreate(&s)) && ok(cudaMalloc(&d_table, N * H * 2)) &&
+      ok(cudaMalloc(&d_out, M * H * 2)) && ok(cudaMalloc(&d_idx, M * 4)) &&
+      ok(cudaMalloc(&d_idx2, M * K * 4)) && ok(cudaMalloc(&d_w, M * K * 4)) &&
+      ok(cudaMalloc(reinterpret_cast<void**>(&d_sum), M * H * 4)) &&
+      ok(cudaMemcpy(d_table, table.data(), N * H * 2, cudaMemcpyHostToDevice)) &&
+      ok(cudaMemcpy(d_idx, idx.data(), M * 4, cudaMemcpyHostToDevice)) &&
+      ok(cudaMemcpy(d_idx2, idx2.data(), M * K * 4, cudaMemcpyHostToDevice)) &&
+      ok(cudaMemcpy(d_w, w.data(), M * K * 4, cudaMemcpyHostToDevice)) &&
+      ok(cudaMemset(d_out, 0xff, M * H * 2))) {
+    std::vector<uint16_t> out(M * H);
+    std::vector<float> sum(M * H);
+    const int32_t* ix = static_cast<const int32_t*>(d_idx);
+    bool launched = ok(launch_gather<uint4>(s, d_table, ix, d_out, N, M, H * 2)) &&
+                    ok(launch_gather<uint8_t>(s, d_table, ix, d_sum, N, M, 3)) &&
+                    ok(cudaStreamSynchronize(s)) &&
+                    ok(cudaMemcpy(out.data(), d_out, M * H * 2, cudaMemcpyDeviceToHost)) &&
+                    ok(launch_gather_sum<__nv_bfloat16, float>(
+                        s, d_table, static_cast<const int32_t*>(d_idx2),
+                        static_cast<const float*>(d_w), d_sum, N, M, K, H)) &&
+                    ok(cudaStreamSynchronize(s)) &&
+                    ok(cudaMemcpy(sum.data(), d_sum, M * H * 4, cudaMemcpyDeviceToHost));
+    if (launched) {
+      wrong = 0;
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t j = 0; j < H; ++j) {
+          const uint16_t got = out[i * H + j];
+          if (idx[i] >= 0 && idx[i] < N) wrong += got != table[idx[i] * H + j];
+          else if (idx[i] < 0) wrong += got != 0;
+          else wrong += got != 0xffff;  // past the table: not written
+          float want = 0.0f;
+          for (int64_t k = 0; k < K; ++k) {
+            const int32_t r = idx2[i * K + k];
+            if (r < 0 || r >= N) continue;
+            uint32_t bits = static_cast<uint32_t>(table[r * H + j]) << 16;
+            float v;
+            std::memcpy(&v, &bits, 4);
+            want += w[i * K + k] * v;
+          }
+          const float g = sum[i * H + j];
+          wrong += std::fabs(g - want) > 1e-5f * (1.0f + std::fabs(want));
+        }
+      }
+    }
+  }
+  for (void* p : {d_table, d_out, d_idx, d_idx2, d_w, static_cast<void*>(d_sum)}) {
+    if (p) cudaFree(p);
+  }
+  if (s) cudaStreamDestroy(s);
+  return wrong;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kEmpty, Empty,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));

@@ -1,10 +1,13 @@
 // Host-side interface of the row kernels (row_kernels.cu), used by the Python bindings.
 #pragma once
 
+#include <cstdint>
+
 namespace ep_comm::rows {
 
 void* gather_handler();      // XLA FFI handler ep_comm_rows_gather
 void* gather_sum_handler();  // XLA FFI handler ep_comm_rows_gather_sum
 void* empty_handler();       // XLA FFI handler ep_comm_rows_empty
+int64_t selftest();          // the kernels on malformed indices outside XLA: wrong values, or -1
 
 }  // namespace ep_comm::rows
