@@ -128,6 +128,8 @@ def register_targets(name: str) -> None:
                                         platform="CUDA")
             jax.ffi.register_ffi_target("ep_comm_rows_empty", mod.empty_handler(),
                                         platform="CUDA")
+            jax.ffi.register_ffi_target("ep_comm_rows_gather_dequant",
+                                        mod.gather_dequant_handler(), platform="CUDA")
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

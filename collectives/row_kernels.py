@@ -14,6 +14,9 @@ reference the kernels equal (``tests/test_row_kernels.py`` checks it on the GPU,
   ``k`` order, slots whose index is outside the table skipped (they add exactly nothing, even where
   the table holds NaN), written once in the requested dtype.
 
+- :func:`gather_dequant`: :func:`gather` of FP8 wire rows and their dequantization in one pass
+  (dispatch's receive side with ``EPConfig(wire_format=...)``).
+
 And :func:`empty`: a buffer for an exchange to receive into, left uninitialised on GPUs (no
 memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
 
@@ -250,6 +253,88 @@ mlir.register_lowering(gather_sum_p, mlir.lower_fun(
     lambda table, idx, weights, out_dtype, kernel: _gather_sum_reference(
         table, idx, weights, out_dtype=out_dtype), multiple_results=False))
 mlir.register_lowering(gather_sum_p, _gather_sum_cuda, platform="cuda")
+
+
+# --- gather_dequant (the FP8 wire's receive side) -------------------------------------------------
+
+def e8m0_scales(exponents):
+    """Float32 ``2 ** (e - 127)`` of E8M0 biased exponents (uint8), NaN for 255 (E8M0's NaN)."""
+    e = exponents.astype(jnp.int32) - 127
+    return jnp.where(exponents == 255, jnp.nan, jnp.ldexp(jnp.float32(1.0), e))
+
+
+def dequantize_blocks(values, scales, block: int, dtype):
+    """``values * scale`` per block of ``block`` elements along the last axis, in float32 (NaN
+    everywhere in a block whose scale is NaN), rounded once to ``dtype``. ``values``: ``(T, H)``
+    FP8; ``scales``: ``(T, ceil(H / block))`` float32."""
+    T, H = values.shape
+    nb = -(-H // block)
+    vb = jnp.pad(values.astype(jnp.float32), ((0, 0), (0, nb * block - H))).reshape(T, nb, block)
+    s = scales.astype(jnp.float32)[..., None]
+    return jnp.where(jnp.isnan(s), jnp.nan, vb * s).reshape(T, -1)[:, :H].astype(dtype)
+
+
+def split_fp8_rows(rows, hidden: int, block: int, mx: bool):
+    """``(values, scales)`` of FP8 wire rows (``hidden`` e4m3 bytes, then the block scales:
+    E8M0 bytes with ``mx``, else float32 as 4 bytes each); scales as stored (uint8 or float32)."""
+    M = rows.shape[0]
+    nb = -(-hidden // block)
+    values = jax.lax.bitcast_convert_type(rows[:, :hidden], jnp.float8_e4m3fn)
+    tail = rows[:, hidden:]
+    if mx:
+        return values, tail[:, :nb]
+    return values, jax.lax.bitcast_convert_type(tail[:, :4 * nb].reshape(M, nb, 4), jnp.float32)
+
+
+def gather_dequant(table, idx, *, hidden: int, block: int, mx: bool, dtype):
+    """FP8 wire rows ``table[idx]`` (uint8 ``(N, row bytes)``, see :func:`split_fp8_rows`)
+    dequantized into ``(M, hidden)`` ``dtype`` in one pass; rows as :func:`gather`'s (negative
+    index: zero, ``>= N``: unspecified). Not differentiable (bytes)."""
+    table = jnp.asarray(table)
+    idx = jnp.asarray(idx).astype(jnp.int32)
+    nb = -(-hidden // block)
+    need = hidden + nb * (1 if mx else 4)
+    if table.dtype != jnp.uint8 or table.ndim != 2 or table.shape[1] < need or idx.ndim != 1:
+        raise ValueError(f"row_kernels.gather_dequant: table must be uint8 (N, >= {need}) and idx "
+                         f"1-D, got table {table.dtype} {tuple(table.shape)} and idx "
+                         f"{tuple(idx.shape)}")
+    table, idx = _same_vma(table, idx)
+    return gather_dequant_p.bind(table, idx, hidden=int(hidden), block=int(block), mx=bool(mx),
+                                 dtype=np.dtype(dtype), kernel=_want_kernels())
+
+
+def _gather_dequant_reference(table, idx, *, hidden, block, mx, dtype, kernel=None):
+    values, scales = split_fp8_rows(_gather_reference(table, idx), hidden, block, mx)
+    return dequantize_blocks(values, e8m0_scales(scales) if mx else scales, block, dtype)
+
+
+def _gather_dequant_jvp(primals, tangents, **params):
+    out = gather_dequant_p.bind(*primals, **params)
+    return out, ad.Zero.from_primal_value(out)
+
+
+def _gather_dequant_cuda(ctx, table, idx, *, hidden, block, mx, dtype, kernel):
+    if kernel and _registered():
+        return jax.ffi.ffi_lowering("ep_comm_rows_gather_dequant")(
+            ctx, table, idx, block=np.int64(block), mx=np.int64(mx))
+    return mlir.lower_fun(functools.partial(_gather_dequant_reference, hidden=hidden, block=block,
+                                            mx=mx, dtype=dtype),
+                          multiple_results=False)(ctx, table, idx)
+
+
+gather_dequant_p = Primitive("ep_comm_rows_gather_dequant")
+gather_dequant_p.def_impl(functools.partial(
+    jax.jit, static_argnames=("hidden", "block", "mx", "dtype", "kernel"))(
+    lambda table, idx, **kw: gather_dequant_p.bind(table, idx, **kw)))
+gather_dequant_p.def_abstract_eval(
+    lambda table, idx, *, hidden, block, mx, dtype, kernel: table.update(
+        shape=(idx.shape[0], hidden), dtype=dtype, weak_type=False))
+ad.primitive_jvps[gather_dequant_p] = _gather_dequant_jvp
+batching.primitive_batchers[gather_dequant_p] = lambda args, dims, **kw: (jax.vmap(
+    functools.partial(_gather_dequant_reference, **kw), in_axes=dims)(*args), 0)
+mlir.register_lowering(gather_dequant_p, lambda ctx, table, idx, **kw: mlir.lower_fun(
+    functools.partial(_gather_dequant_reference, **kw), multiple_results=False)(ctx, table, idx))
+mlir.register_lowering(gather_dequant_p, _gather_dequant_cuda, platform="cuda")
 
 
 # --- empty ----------------------------------------------------------------------------------------

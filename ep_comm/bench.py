@@ -216,6 +216,9 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
             disp_q = smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg, return_quantized=True))
             timed.append(("dispatch q", median_us(disp_q, (xs, idss, ws), warmup, iters)))
             piped["dispatch q"] = pipelined_us(disp_q, (xs, idss, ws), 1, iters)
+            if profile:
+                kern["dispatch q"] = kernel_us(disp_q, (xs, idss, ws),
+                                               f"{profile}/{backend}_{plan}_{wire_format}_q")
         # bytes per rank and link class, as dispatch counted them: (n, phase, class)
         sent = ep_comm.distributed.to_host(h.link_rows).reshape(n, 2, -1).astype(np.float64)
         sent = sent * np.array([row_d, row_c])[None, :, None]

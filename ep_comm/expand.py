@@ -8,6 +8,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from collectives import row_kernels
+from ep_comm import wire
 from ep_comm.config import EPConfig
 from ep_comm.layout import repeats_earlier
 from ep_comm.rows import gather_rows
@@ -39,11 +41,13 @@ class Expanded:
     expert_token: jax.Array
 
 
-def expand(cfg: EPConfig, route: Route, num_recv, me) -> Expanded:
+def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None) -> Expanded:
     """Rows of ``route``'s receive buffer (the first ``num_recv`` in the flat order are used) into
     ``expert_x``: rows ordered by local expert, then (source rank, source token, k); the rows past
     ``sum(group_sizes)``: the first :data:`ZERO_TAIL_ROWS` zero, the others unspecified (zero with
-    ``cfg.zero_fill``). Pairs past ``cfg.expert_rows`` are dropped (counted by
+    ``cfg.zero_fill``). ``dequantize_to=(hidden, dtype)``: the buffer holds FP8 wire rows
+    (``cfg.wire_format``) and ``expert_x`` their dequantized values, gathered and dequantized in
+    one pass. Pairs past ``cfg.expert_rows`` are dropped (counted by
     dispatch)."""
     R, C, K, L = cfg.recv_token_rows, cfg.expert_rows, cfg.topk, cfg.experts_per_rank
     i32 = jnp.int32
@@ -89,7 +93,13 @@ def expand(cfg: EPConfig, route: Route, num_recv, me) -> Expanded:
     # unspecified
     past = q - jnp.minimum(num_pairs, C)
     unused = jnp.where(cfg.zero_fill | (past < ZERO_TAIL_ROWS), -1, R)
-    expert_x = gather_rows(buf_x, jnp.where(used, src_row, unused), expert_rows_read(recv_pos, C),
-                           fill=False)
+    rows = jnp.where(used, src_row, unused)
+    if dequantize_to is not None:
+        hidden, dtype = dequantize_to
+        expert_x = row_kernels.gather_dequant(buf_x, rows, hidden=hidden,
+                                              block=wire.BLOCK[cfg.wire_format],
+                                              mx=cfg.wire_format == "mxfp8", dtype=dtype)
+    else:
+        expert_x = gather_rows(buf_x, rows, expert_rows_read(recv_pos, C), fill=False)
 
     return Expanded(expert_x, group_sizes, recv_pos, recv_w, expert_token)

@@ -136,7 +136,9 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
 
     # 4. expand into groups contiguous per local expert.
     num_recv = jnp.sum(kept[:, me])
-    ex = expand(cfg, moved, num_recv, me)
+    dequantize_to = (None if cfg.wire_format is None or return_quantized
+                     else (x.shape[1], x.dtype))
+    ex = expand(cfg, moved, num_recv, me, dequantize_to)
     sent = link_rows(plan, moved.legs, me)  # per link class, dispatch and combine
     expected = jnp.sum(pairs[:, me])
     handle = EPHandle(
@@ -159,11 +161,10 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
         handle = runtime_check(handle)
     if cfg.wire_format is None:
         return ex.expert_x, handle
-    values, scales = wire.unpack_rows(ex.expert_x, x.shape[1], cfg.wire_format)
     if return_quantized:
+        values, scales = wire.unpack_rows(ex.expert_x, x.shape[1], cfg.wire_format)
         return (_not_differentiable(values, x), scales), handle
-    expert_x = wire.dequantize(values, scales, cfg.wire_format, x.dtype)
-    return _straight_through(expert_x, x, handle), handle
+    return _straight_through(ex.expert_x, x, handle), handle
 
 
 def _float0_like(tree):

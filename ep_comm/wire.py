@@ -22,8 +22,9 @@ in the last of 3 mantissa bits); a smaller one by at most ``s * 2**-10`` (half t
 spacing ``2**-9``). MXFP8 values beyond ``448 * s`` saturate to it: off by less than
 ``2**-3 * |x|`` (a block's largest value scales to just under 512).
 
-These are plain XLA functions: the CPU reference, and (until a fused pack kernel lands) what runs
-on the GPU too.
+These are plain XLA functions: the CPU reference, and the sender's quantization on the GPU too.
+The receiver's gather and dequantization run as one kernel on GPUs
+(:func:`collectives.row_kernels.gather_dequant`, whose XLA lowering is this module's math).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from collectives import row_kernels
 
 WIRE_FORMATS = (None, "e4m3", "mxfp8")
 BLOCK = {"e4m3": 128, "mxfp8": 32}
@@ -62,14 +65,7 @@ def pack_rows(x, wire_format: str):
 
 def unpack_rows(rows, hidden: int, wire_format: str):
     """``(values, scales)`` of rows :func:`pack_rows` made (all-zero rows give zeros)."""
-    C = rows.shape[0]
-    values = jax.lax.bitcast_convert_type(rows[:, :hidden], jnp.float8_e4m3fn)
-    tail = rows[:, hidden:]
-    if wire_format == "e4m3":
-        scales = jax.lax.bitcast_convert_type(tail.reshape(C, -1, 4), jnp.float32)
-    else:
-        scales = tail
-    return values, scales
+    return row_kernels.split_fp8_rows(rows, hidden, BLOCK[wire_format], wire_format == "mxfp8")
 
 
 def _blocks(x, block):
@@ -119,8 +115,7 @@ def scale_values(scales, wire_format: str):
     """The float32 scale of each block (``2**(e - 127)`` for MX, NaN for e8m0's NaN)."""
     if wire_format == "e4m3":
         return scales.astype(jnp.float32)
-    e = scales.astype(jnp.int32) - _E8M0_BIAS
-    return jnp.where(scales == _E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), e))
+    return row_kernels.e8m0_scales(scales)
 
 
 def dequantize(values, scales, wire_format: str, dtype=jnp.bfloat16):
@@ -129,12 +124,8 @@ def dequantize(values, scales, wire_format: str, dtype=jnp.bfloat16):
     check_format("dequantize", wire_format)
     if wire_format is None:
         raise ValueError("dequantize: wire_format must be 'e4m3' or 'mxfp8', got None")
-    T, H = values.shape
-    block = BLOCK[wire_format]
-    vb, _ = _blocks(values, block)
-    s = scale_values(scales, wire_format)[..., None]
-    out = jnp.where(jnp.isnan(s), jnp.nan, vb * s)
-    return out.reshape(T, -1)[:, :H].astype(dtype)
+    return row_kernels.dequantize_blocks(values, scale_values(scales, wire_format),
+                                         BLOCK[wire_format], dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

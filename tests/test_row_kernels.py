@@ -167,6 +167,30 @@ def test_gather_sum_kernel_matches(tdt, odt, H):
                                rtol=rtol, atol=1e-5)
 
 
+@gpu_only
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("H", [7168, 100])  # 100: a partial last block, the per-element path
+def test_gather_dequant_kernel_bitwise(fmt, dtype, H):
+    """The FP8 receive side: gather + dequantize in one kernel equals unpack + dequantize in XLA,
+    bit for bit (non-finite blocks: NaN in both)."""
+    from ep_comm import wire
+
+    rng = np.random.default_rng(H)
+    N, M = 200, 333
+    x = rng.standard_t(2, (N, H)).astype(np.float32)
+    x[3, 5] = np.inf
+    x[7, :] = 0.0
+    rows = jax.jit(wire.pack_rows, static_argnums=1)(jnp.asarray(x), fmt)
+    idx = jnp.asarray(rng.choice(np.array([-1, N, 2 ** 31 - 1, -2 ** 31] + list(range(N))), M),
+                      jnp.int32)
+    fn = lambda r, i: row_kernels.gather_dequant(  # noqa: E731
+        r, i, hidden=H, block=wire.BLOCK[fmt], mx=fmt == "mxfp8", dtype=dtype)
+    got, want = _both(fn, rows, idx)
+    defined = np.asarray(idx) < N
+    np.testing.assert_array_equal(np.asarray(got)[defined], np.asarray(want)[defined])
+
+
 def _synthetic_route(rng, n, L, K, T, H, plan, dtype=jnp.bfloat16):
     """The last-stage receive buffer of rank ``me`` as if ``n`` ranks had sent their tokens:
     (source rank, token) rows in flat order for "flat", a permutation of them for "hierarchical"

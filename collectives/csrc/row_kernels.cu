@@ -9,12 +9,15 @@
 //   ep_comm_rows_gather_sum  out[m] = sum_k w[m, k] * table[idx[m, k]], accumulated in float32 in
 //                            k order, slots with an index outside [0, N) skipped (they add exactly
 //                            nothing, even where the table holds NaN); written once in out's dtype.
+//   ep_comm_rows_gather_dequant  gather FP8 rows (values, then block scales) and dequantize them
+//                            in the same pass (the FP8 wire's receive side); rows as gather's.
 //   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
 //
 // Both read every index on the device (no host round trip) and never read or write outside their
 // buffers whatever the indices hold. Handlers return ffi::Error; nothing throws across the C ABI.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -251,6 +254,114 @@ ffi::Error GatherSum(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// ---- gather_dequant -----------------------------------------------------------------------------
+// FP8 rows as dispatch sends them (ep_comm.wire.pack_rows): H e4m3 bytes, then the row's block
+// scales (float32, 4 bytes each: "e4m3"; one E8M0 byte each: "mxfp8", 255 = NaN). One pass:
+// gather a row, dequantize it (value * scale in float32, NaN for the whole block where the scale
+// is NaN, one rounding to the output dtype) and write it in the output dtype.
+
+template <bool kMx>
+__device__ __forceinline__ float block_scale(const uint8_t* scales, int64_t b) {
+  if constexpr (kMx) {
+    const int e = scales[b];
+    return e == 255 ? __int_as_float(0x7fc00000) : ldexpf(1.0f, e - 127);
+  } else {
+    float v;
+    memcpy(&v, scales + 4 * b, 4);
+    return v;
+  }
+}
+
+__device__ __forceinline__ float dequant1(uint8_t byte, float s) {
+  __nv_fp8_e4m3 f;
+  f.__x = byte;
+  return isnan(s) ? __int_as_float(0x7fc00000) : static_cast<float>(f) * s;
+}
+
+template <typename Tout, bool kMx>
+__global__ void __launch_bounds__(kThreads)
+gather_dequant_kernel(const uint8_t* __restrict__ table, const int32_t* __restrict__ idx,
+                      Tout* __restrict__ out, int64_t n_table, int64_t m, int64_t row_bytes,
+                      int64_t H, int block, bool vec) {
+  for (int64_t i = blockIdx.x; i < m; i += gridDim.x) {
+    const int64_t r = idx[i];
+    if (r >= n_table) continue;  // unspecified: not written
+    Tout* dst = out + i * H;
+    if (r < 0) {
+      for (int64_t j = threadIdx.x; j < H; j += kThreads) dst[j] = from_f32<Tout>(0.0f);
+      continue;
+    }
+    const uint8_t* src = table + r * row_bytes;
+    if (vec) {  // 16 values per 16-byte load; a 16-value chunk never straddles a block
+      for (int64_t c = threadIdx.x; c < H / 16; c += kThreads) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + c);
+        const float sc = block_scale<kMx>(src + H, c * 16 / block);
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
+        Pack<Tout, 16> o;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) o.v[j] = from_f32<Tout>(dequant1(bytes[j], sc));
+        reinterpret_cast<Pack<Tout, 16>*>(dst)[c] = o;
+      }
+    } else {
+      for (int64_t j = threadIdx.x; j < H; j += kThreads) {
+        dst[j] = from_f32<Tout>(dequant1(src[j], block_scale<kMx>(src + H, j / block)));
+      }
+    }
+  }
+}
+
+template <typename Tout>
+cudaError_t launch_gather_dequant(cudaStream_t s, const uint8_t* table, const int32_t* idx,
+                                  void* out, int64_t n_table, int64_t m, int64_t row_bytes,
+                                  int64_t H, int block, bool mx) {
+  const bool vec = H % 16 == 0 && row_bytes % 16 == 0 && block % 16 == 0 && aligned(table, 16) &&
+                   aligned(out, sizeof(Pack<Tout, 16>));
+  Tout* o = static_cast<Tout*>(out);
+  if (mx) {
+    gather_dequant_kernel<Tout, true><<<grid_for(m, 1), kThreads, 0, s>>>(
+        table, idx, o, n_table, m, row_bytes, H, block, vec);
+  } else {
+    gather_dequant_kernel<Tout, false><<<grid_for(m, 1), kThreads, 0, s>>>(
+        table, idx, o, n_table, m, row_bytes, H, block, vec);
+  }
+  return cudaGetLastError();
+}
+
+ffi::Error GatherDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> idx,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t block, int64_t mx) {
+  const std::string where = "ep_comm rows gather_dequant: ";
+  const auto odims = out->dimensions();
+  const int64_t m = idx.element_count(), row_bytes = row_bytes_of(table);
+  if (table.element_type() != ffi::DataType::U8 || table.dimensions().size() != 2 ||
+      odims.size() != 2 || odims[0] != m) {
+    return ffi::Error::InvalidArgument(where + "table must be (N, row bytes) uint8 and the result "
+                                       "(M, H) for M indices");
+  }
+  const int64_t H = odims[1];
+  const int64_t nb = block > 0 ? (H + block - 1) / block : 0;
+  if (block <= 0 || row_bytes < H + nb * (mx ? 1 : 4)) {
+    return ffi::Error::InvalidArgument(where + "rows of " + std::to_string(row_bytes) +
+                                       " bytes cannot hold " + std::to_string(H) +
+                                       " values and their scales (block " +
+                                       std::to_string(block) + ")");
+  }
+  if (m == 0 || H == 0) return ffi::Error::Success();
+  const uint8_t* t = static_cast<const uint8_t*>(table.untyped_data());
+  const int32_t* ix = idx.typed_data();
+  void* o = out->untyped_data();
+  const int64_t n_table = rows_of(table);
+  const int blk = static_cast<int>(block);
+  cudaError_t e;
+  switch (out->element_type()) {
+    case ffi::DataType::BF16: e = launch_gather_dequant<__nv_bfloat16>(stream, t, ix, o, n_table, m, row_bytes, H, blk, mx); break;
+    case ffi::DataType::F16: e = launch_gather_dequant<__half>(stream, t, ix, o, n_table, m, row_bytes, H, blk, mx); break;
+    case ffi::DataType::F32: e = launch_gather_dequant<float>(stream, t, ix, o, n_table, m, row_bytes, H, blk, mx); break;
+    default: return ffi::Error::InvalidArgument(where + "the result must be bfloat16, float16 or float32");
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
 // ---- empty --------------------------------------------------------------------------------------
 
 // A buffer for an exchange to write into, not initialised: the rows no segment covers are
@@ -336,6 +447,15 @@ int64_t selftest() {
   return wrong;
 }
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherDequant, GatherDequant,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // table (N, row bytes) uint8
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // idx (M,)
+                                  .Ret<ffi::AnyBuffer>()         // out (M, H)
+                                  .Attr<int64_t>("block")        // values per scale
+                                  .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kEmpty, Empty,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));
 
@@ -357,5 +477,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
 void* gather_handler() { return reinterpret_cast<void*>(kGather); }
 void* gather_sum_handler() { return reinterpret_cast<void*>(kGatherSum); }
 void* empty_handler() { return reinterpret_cast<void*>(kEmpty); }
+void* gather_dequant_handler() { return reinterpret_cast<void*>(kGatherDequant); }
 
 }  // namespace ep_comm::rows

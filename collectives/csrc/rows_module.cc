@@ -10,6 +10,8 @@ NB_MODULE(_ep_rows, m) {
   m.def("gather_handler", []() { return nb::capsule(ep_comm::rows::gather_handler()); });
   m.def("gather_sum_handler", []() { return nb::capsule(ep_comm::rows::gather_sum_handler()); });
   m.def("empty_handler", []() { return nb::capsule(ep_comm::rows::empty_handler()); });
+  m.def("gather_dequant_handler",
+        []() { return nb::capsule(ep_comm::rows::gather_dequant_handler()); });
   m.def("selftest", &ep_comm::rows::selftest,
         "Run the kernels on malformed indices outside XLA (for compute-sanitizer); returns the "
         "number of wrong output values, or -1 when CUDA fails.");
