@@ -41,7 +41,8 @@ from ep_comm.layout import check_topk_ids, layout_and_routes
 from ep_comm import wire
 from ep_comm.overflow import runtime_check
 from ep_comm.rows import gather_sum
-from ep_comm.routes import exchange, exclusive_cumsum, flat_route, hierarchical_route, link_rows
+from ep_comm.routes import (exchange, exclusive_cumsum, flat_route, gather_counts,
+                            hierarchical_route, link_rows)
 from topology.jax_compat import axis_size
 
 
@@ -118,7 +119,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     mine = [layout.num_tokens_per_rank, layout.num_pairs_per_rank]
     if hierarchical:
         mine.append(jnp.sum(in_node, axis=0, dtype=i32))
-    counts = lax.all_gather(jnp.concatenate(mine), ax)
+    counts = gather_counts(cfg, jnp.concatenate(mine), api)
     tok = counts[:, :n]  # [s, d] tokens s -> d
     pairs = counts[:, n:2 * n]  # [s, d] (token, expert) pairs s -> d
     recv_start = exclusive_cumsum(tok, axis=0)  # row of d's receive buffer for s, uncapped

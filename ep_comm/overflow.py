@@ -8,11 +8,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import io_callback
 
 from ep_comm.config import EPConfig
 from ep_comm.handle import EPHandle
+from ep_comm.routes import gather_counts
 from topology.jax_compat import is_tracer
 
 
@@ -41,8 +41,9 @@ def _raise_if_bad(num_dropped, num_invalid, config: EPConfig):
 def runtime_check(handle: EPHandle) -> EPHandle:
     """Inside shard_map: raise EPOverflowError at run time when anything was dropped."""
     cfg = handle.config
-    everyone = lax.all_gather(jnp.concatenate([handle.num_dropped, handle.num_invalid]),
-                              cfg.axis_name)  # (n, 2): per-rank counts, identical on all ranks
+    # (n, 2): per-rank counts, identical on all ranks
+    everyone = gather_counts(cfg, jnp.concatenate([handle.num_dropped, handle.num_invalid]),
+                             "dispatch (overflow check)")
 
     def host_check(counts):
         _raise_if_bad(counts[:, 0], counts[:, 1], cfg)

@@ -32,7 +32,7 @@ from jax import lax
 
 from ep_comm.config import EPConfig
 from ep_comm.layout import repeats_earlier
-from ep_comm.routes import exclusive_cumsum
+from ep_comm.routes import exclusive_cumsum, gather_counts
 from topology.jax_compat import match_vma
 
 
@@ -65,7 +65,7 @@ def _quota(remaining, capacity):
 
 def _schedule(ids, cfg: EPConfig):
     dest, pos, mine = _pair_positions(ids, cfg)
-    counts = lax.all_gather(mine, cfg.axis_name)  # (n, n): [s, d] pairs s -> d
+    counts = gather_counts(cfg, mine, "moe_layer (rounds)")  # (n, n): [s, d] pairs s -> d
     me = lax.axis_index(cfg.axis_name)
     return dest, pos, counts, me
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ep_comm.layout import repeats_earlier
 from ep_comm.ragged import _ragged_all_to_all
+import collectives
 from collectives import row_kernels
 from ep_comm.rows import gather_rows
 from topology.jax_compat import match_vma
@@ -140,6 +141,25 @@ def exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse=False):
     return _ragged_all_to_all(operand, out, *args, axis_name=stage.axis_name,
                               axis_index_groups=stage.groups, backend=cfg.backend,
                               max_segment_rows=segment_rows, label=what, tag=cfg.fingerprint)
+
+
+def gather_counts(cfg, v, what):
+    """``lax.all_gather(v, cfg.axis_name)`` of a small int32 vector: ``(n, len(v))``, identical on
+    every rank. With the mpi transport it goes through the engine's own exchange instead, so that
+    it joins that transport's chain of exchanges and its timeout: an XLA collective (gloo on CPU)
+    has neither, and waits forever for a peer that never comes."""
+    v = v.astype(jnp.int32)
+    if collectives.resolve(cfg.backend, caller=what)[0] != "mpi":
+        return jax.lax.all_gather(v, cfg.axis_name)
+    n, m = cfg.num_ranks, v.shape[0]
+    me = jax.lax.axis_index(cfg.axis_name)
+    i32 = jnp.int32
+    out = _ragged_all_to_all(
+        v[:, None], match_vma(row_kernels.empty((n * m, 1), jnp.int32), v),
+        jnp.zeros((n,), i32), jnp.full((n,), m, i32), jnp.full((n,), me * m, i32),
+        jnp.full((n,), m, i32), axis_name=cfg.axis_name, backend=cfg.backend,
+        max_segment_rows=m, label=f"{what} (counts)", tag=cfg.fingerprint)
+    return out.reshape(n, m)
 
 
 def _move(cfg, stage, leg, x, route, rows, segment_rows, what):

@@ -12,6 +12,8 @@
 // agree, rows inside both buffers). Ill-formed transfers are skipped by both ends, so nobody waits
 // for bytes that never come, and both ends report the error. Nothing is dropped silently.
 #pragma once
+#include <thread>
+#include <chrono>
 
 #include <cstdint>
 #include <cstdlib>
@@ -181,6 +183,29 @@ inline double timeout_seconds() {
   char* end = nullptr;
   double t = std::strtod(v, &end);
   return (end != v && t > 0) ? t : 300.0;
+}
+
+// Fault injection for the reliability tests (scripts/faults.py), read when a communicator is
+// created: EP_COMM_FAULT=exit_after_metadata makes this process exit (status 86) once the metadata
+// of its first exchange with peers has arrived, stall_after_metadata makes it sleep there for good:
+// a peer that dies, or stops, between the metadata and the payload.
+enum class Fault { kNone, kExitAfterMetadata, kStallAfterMetadata };
+
+inline Fault fault_injection() {
+  const char* v = std::getenv("EP_COMM_FAULT");
+  if (v == nullptr) return Fault::kNone;
+  const std::string f(v);
+  if (f == "exit_after_metadata") return Fault::kExitAfterMetadata;
+  if (f == "stall_after_metadata") return Fault::kStallAfterMetadata;
+  return Fault::kNone;
+}
+
+// Act on an injected fault between the metadata and the payload phase.
+inline void inject_after_metadata(Fault f) {
+  if (f == Fault::kExitAfterMetadata) std::_Exit(86);
+  if (f == Fault::kStallAfterMetadata) {
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
 }
 
 }  // namespace ep_comm

@@ -60,6 +60,7 @@ struct MpiComm {
   int rank = 0, size = 1;
   std::string broken;  // non-empty once a timeout left the communicator unusable
   double timeout_s = 300.0;  // EP_COMM_TIMEOUT_S when the communicator was registered
+  Fault fault = Fault::kNone;  // EP_COMM_FAULT (tests only)
 };
 
 std::mutex g_mu;
@@ -204,6 +205,7 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
   }
 
   // 3. payload: the planned point-to-point transfers (a rank's rows to itself included).
+  if (n > 1) inject_after_metadata(c.fault);
   if (!plan.sends.empty() || !plan.recvs.empty()) {
     for (const auto* list : {&plan.sends, &plan.recvs}) {
       for (const Transfer& t : *list) {
@@ -278,6 +280,7 @@ void register_comm(int64_t key, intptr_t handle) {
   MPI_Comm_rank(comm, &c.rank);
   MPI_Comm_size(comm, &c.size);
   c.timeout_s = timeout_seconds();
+  c.fault = fault_injection();
   std::lock_guard<std::mutex> lock(g_mu);
   g_comms[key] = c;
 }

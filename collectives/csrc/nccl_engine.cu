@@ -17,7 +17,10 @@
 #include <nvtx3/nvToolsExt.h>
 #include <nvtx3/nvToolsExtCudaRt.h>
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -27,6 +30,7 @@
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "call_shape.h"
 #include "exchange_plan.h"
@@ -44,6 +48,14 @@ std::string nccl_str(ncclResult_t r) {
   return s;
 }
 
+// A payload phase in flight, watched until its done event completes or its deadline passes.
+struct Pending {
+  int64_t op_id;
+  cudaEvent_t done;
+  std::chrono::steady_clock::time_point deadline;
+  std::string what;  // the call site and the peers it waits for
+};
+
 struct CommState {
   ncclComm_t comm = nullptr;
   int rank = 0, size = 1, device = 0, sm_count = 1;
@@ -53,17 +65,31 @@ struct CommState {
   std::map<int64_t, nvtxRangeId_t> ranges;   // per op_id: NVTX range from start to done
   int64_t* host = nullptr;                   // pinned, mapped: published metadata
   size_t host_len = 0;                       // int64 elements
-  int64_t* flag = nullptr;                   // pinned, mapped: [sequence, self-copy error]
+  int64_t* flag = nullptr;                   // pinned, mapped: [sequence, self-copy error, aborted]
   int64_t seq = 0;
   std::string broken;                        // non-empty once the communicator was aborted
   // Read from the environment once, when the communicator is created (never per call):
   double timeout_s = 300.0;                  // EP_COMM_TIMEOUT_S
   bool self_via_nccl = false;                // EP_COMM_NCCL_SELF=1
+  Fault fault = Fault::kNone;                // EP_COMM_FAULT (tests only)
   std::mutex mu;
+  // The payload watchdog: a thread (started by the first exchange with peers) that aborts the
+  // communicator when a payload phase outlives EP_COMM_TIMEOUT_S, so that a peer dying after the
+  // metadata cannot leave NCCL's kernels (and XLA's stream behind them) waiting forever.
+  std::vector<Pending> pending;              // guarded by mu
+  std::thread watchdog;
+  std::condition_variable wake;
+  bool stop = false;
 
   ~CommState() {
     cudaSetDevice(device);
-    if (stream) cudaStreamSynchronize(stream);
+    if (stream) cudaStreamSynchronize(stream);  // the watchdog still runs: a dead peer cannot hang this
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    wake.notify_all();
+    if (watchdog.joinable()) watchdog.join();
     if (comm) {
       if (broken.empty()) ncclCommDestroy(comm); else ncclCommAbort(comm);
     }
@@ -136,6 +162,19 @@ __global__ void self_copy_kernel(const char* in, char* out, SelfArgs a, int64_t*
   for (; i < count; i += stride) dst[i] = src[i];
 }
 
+// After done's wait: when the watchdog aborted the communicator (flag[2], mapped host memory), fill
+// the result with all-ones bytes (NaN for floating types) rather than leave rows that never came.
+__global__ void poison_if_aborted(char* out, int64_t bytes, const volatile int64_t* flag) {
+  __shared__ int64_t aborted;
+  if (threadIdx.x == 0) aborted = flag[2];
+  __syncthreads();
+  if (aborted == 0) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes; i += stride) {
+    out[i] = static_cast<char>(0xff);
+  }
+}
+
 // Copy the metadata (mine, then theirs) to mapped host memory, then raise the sequence flag.
 __global__ void publish_kernel(const int64_t* mine, const int64_t* theirs, int64_t len,
                                volatile int64_t* host, volatile int64_t* flag, int64_t seq) {
@@ -191,6 +230,59 @@ void poison(CommState& st, const std::string& why) {
   st.broken = why;
   if (st.comm) ncclCommAbort(st.comm);
   st.comm = nullptr;
+}
+
+// The watchdog's loop (one thread per communicator with peers): every 10 ms, under the state's
+// lock, retire the payload phases whose done event completed; when one is past its deadline, the
+// stream failed, or NCCL reports an asynchronous error, raise the mapped `aborted` flag (done's
+// check kernel then fills the results with NaN bits: no silently wrong rows), abort the
+// communicator (NCCL's kernels return, XLA's stream moves on), print the diagnostic and keep it
+// for the next call, which fails with it.
+void watch(CommState* st) {
+  cudaSetDevice(st->device);
+  std::unique_lock<std::mutex> lock(st->mu);
+  while (!st->stop) {
+    st->wake.wait_for(lock, std::chrono::milliseconds(10));
+    std::string why;
+    for (auto it = st->pending.begin(); it != st->pending.end() && why.empty();) {
+      const cudaError_t q = cudaEventQuery(it->done);
+      if (q == cudaSuccess) {
+        it = st->pending.erase(it);
+        continue;
+      }
+      ncclResult_t async = ncclSuccess;
+      if (st->comm) ncclCommGetAsyncError(st->comm, &async);
+      if (q != cudaErrorNotReady) {
+        why = it->what + ": the communication stream failed: " + cuda_str(q);
+      } else if (async != ncclSuccess && async != ncclInProgress) {
+        why = it->what + ": NCCL reported an asynchronous error: " + nccl_str(async);
+      } else if (std::chrono::steady_clock::now() > it->deadline) {
+        why = it->what + " did not complete within " + std::to_string(st->timeout_s) +
+              " s: a peer stopped after the metadata exchange (a crashed or stalled process). The "
+              "communicator was aborted and this call's results are NaN; restart the processes. "
+              "Set EP_COMM_TIMEOUT_S to change the limit";
+      } else {
+        ++it;
+      }
+    }
+    if (!why.empty()) {
+      st->flag[2] = 1;
+      std::fprintf(stderr, "ep_comm watchdog: %s\n", why.c_str());
+      std::fflush(stderr);
+      poison(*st, why);
+      st->pending.clear();
+    }
+  }
+}
+
+// Watch the payload phase just issued (op `op_id`, completing with `done`).
+void watch_payload(CommState& st, int64_t op_id, cudaEvent_t done, const std::string& what) {
+  st.pending.push_back({op_id, done,
+                        std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(st.timeout_s)),
+                        what});
+  if (!st.watchdog.joinable()) st.watchdog = std::thread(watch, &st);
 }
 
 // Wait until the metadata of sequence `seq` is on the host, the communicator fails, or the deadline.
@@ -381,12 +473,25 @@ ffi::Error Start(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer operan
   if (n > 1 || self_via_nccl) {  // the metadata goes to the peers, then to the host
     ffi::Error e = plan_exchange(st, where, a, self_via_nccl, mine, theirs, &plan);
     if (e.failure()) return e;
+    if (n > 1) inject_after_metadata(st.fault);
     e = issue_payload(st, where, plan, in, out, row_bytes);
     if (e.failure()) return e;
   }
   auto [it, fresh] = st.done.try_emplace(op_id, nullptr);
   if (fresh) EP_CUDA(cudaEventCreateWithFlags(&it->second, cudaEventDisableTiming), "cudaEventCreate");
   EP_CUDA(cudaEventRecord(it->second, st.stream), "cudaEventRecord on the communication stream");
+  if (!plan.sends.empty() || !plan.recvs.empty()) {
+    std::string peers;
+    std::vector<int> seen;
+    for (const auto* list : {&plan.sends, &plan.recvs}) {
+      for (const Transfer& t : *list) {
+        if (std::find(seen.begin(), seen.end(), t.peer) != seen.end()) continue;
+        seen.push_back(t.peer);
+        peers += (peers.empty() ? "" : ", ") + std::to_string(t.peer);
+      }
+    }
+    watch_payload(st, op_id, it->second, where + ": the payload exchange with peers " + peers);
+  }
   if (!plan.errors.empty()) {
     return ffi::Error::InvalidArgument(
         join_errors(where + ": invalid exchange, these transfers were skipped", plan.errors));
@@ -407,6 +512,12 @@ ffi::Error Done(cudaStream_t xla_stream, int32_t ordinal, ffi::AnyBuffer output,
   if (it == st.done.end()) return ffi::Error::Internal(where + ": no exchange was started (op " +
                                                        std::to_string(op_id) + ")");
   EP_CUDA(cudaStreamWaitEvent(xla_stream, it->second, 0), "cudaStreamWaitEvent on XLA's stream");
+  if (st.size > 1 && result->size_bytes() > 0) {  // NaN bits if the watchdog aborted this call
+    poison_if_aborted<<<64, 256, 0, xla_stream>>>(static_cast<char*>(result->untyped_data()),
+                                                 static_cast<int64_t>(result->size_bytes()),
+                                                 st.flag);
+    EP_CUDA(cudaGetLastError(), "launching the abort check");
+  }
   if (result->untyped_data() != output.untyped_data() && output.size_bytes() > 0) {
     EP_CUDA(cudaMemcpyAsync(result->untyped_data(), output.untyped_data(), output.size_bytes(),
                             cudaMemcpyDeviceToDevice, xla_stream), "copy of the result");
@@ -500,6 +611,7 @@ void init(int64_t key, const std::vector<Member>& members) {
     st->timeout_s = timeout_seconds();
     const char* via = std::getenv("EP_COMM_NCCL_SELF");
     st->self_via_nccl = via != nullptr && via[0] == '1';
+    st->fault = fault_injection();
     states.push_back(std::move(st));
   }
   auto fail = [&](const std::string& what) {
@@ -528,11 +640,11 @@ void init(int64_t key, const std::vector<Member>& members) {
     cudaDeviceGetStreamPriorityRange(&lo, &hi);
     cudaError_t e = cudaStreamCreateWithPriority(&st->stream, cudaStreamNonBlocking, hi);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&st->ev_in, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaHostAlloc(reinterpret_cast<void**>(&st->flag), 2 * sizeof(int64_t),
+    if (e == cudaSuccess) e = cudaHostAlloc(reinterpret_cast<void**>(&st->flag), 3 * sizeof(int64_t),
                                             cudaHostAllocMapped);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&st->sm_count, cudaDevAttrMultiProcessorCount, st->device);
     if (e != cudaSuccess) fail("creating the communication stream: " + cuda_str(e));
-    st->flag[0] = st->flag[1] = 0;
+    st->flag[0] = st->flag[1] = st->flag[2] = 0;
     char name[64];
     std::snprintf(name, sizeof(name), "ep_comm comm %lld rank %d", static_cast<long long>(key), st->rank);
     nvtxNameCudaStreamA(st->stream, name);
