@@ -38,6 +38,7 @@ FAULTS = [  # (fault, the phase it hits)
     ("other_config", "metadata"),
     ("raise_between", "between calls"),
 ]
+_DIAG, _OK = r"DIAG [0-9.]+ rank \d+", r"OK rank \d+"
 ENGINE_ONLY = {"exit_after_metadata", "stall_after_metadata"}  # hooks inside the native engine
 
 
@@ -60,9 +61,11 @@ def run_one(backend: str, n: int, fault: str, timeout: float, startup: float) ->
     reader.start()
     limit = startup + timeout + 10
     survivors = n - 1 if fault != "none" else n
+    # processes share the pipe: a line may start with another process's output
+    find = lambda pat: [l[m.start():] for _, l in list(lines)  # noqa: E731
+                        for m in [re.search(pat, l)] if m]
     while p.poll() is None and time.monotonic() - t0 < limit:
-        diags = [l for _, l in lines if l.startswith("DIAG")]
-        oks = [l for _, l in lines if l.startswith("OK")]
+        diags, oks = find(_DIAG), find(_OK)
         if len(diags) >= survivors or len(oks) >= n:
             break
         time.sleep(0.2)
@@ -73,8 +76,7 @@ def run_one(backend: str, n: int, fault: str, timeout: float, startup: float) ->
     p.wait()
     reader.join(timeout=5)
     text = [l for _, l in lines]
-    diags = [l for l in text if l.startswith("DIAG")]
-    oks = [l for l in text if l.startswith("OK")]
+    diags, oks = find(_DIAG), find(_OK)
     mpirun = [l for l in text if re.search(r"mpirun (noticed|detected)|exited on signal|"
                                             r"Primary job\s+terminated", l)]
     if fault == "none":

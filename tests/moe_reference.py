@@ -82,7 +82,8 @@ class Reference:
         for k in range(self.K):
             e = np.clip(ids[:, k], 0, self.E - 1)
             v = xs if W is None else np.einsum("th,thf->tf", xs, np.asarray(W, np.float64)[e])
-            y = y + np.where(self.kept[:, k], np.asarray(w[:, k], np.float64), 0.0)[:, None] * v
+            # a slot that reached no expert adds exactly nothing (even for NaN or Inf activations)
+            y = y + np.where(self.kept[:, k, None], np.asarray(w[:, k, None], np.float64) * v, 0.0)
         return y
 
 

@@ -1,0 +1,34 @@
+"""Fault injection, bounded (the full matrix is ``python scripts/faults.py``): under ``mpirun`` with
+the mpi transport, a rank that makes one call fewer and a rank that stalls between the metadata and
+the payload leave the survivors with a diagnostic naming the operation and the peer within the
+timeout (plus start-up), never a hang."""
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+
+import collectives
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("faults", os.path.join(HERE, "..", "scripts",
+                                                                       "faults.py"))
+faults = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(faults)
+
+needs_mpi = pytest.mark.skipif(
+    shutil.which("mpirun") is None or collectives.available("cpu")["mpi"] is not None
+    or os.environ.get("OMPI_COMM_WORLD_SIZE") is not None,  # not from inside an mpirun phase
+    reason="needs mpirun and the engine's mpi transport, outside mpirun")
+
+
+@needs_mpi
+@pytest.mark.parametrize("fault", ["one_call_fewer", "stall_after_metadata"])
+def test_survivors_get_a_diagnostic_within_the_timeout(fault):
+    timeout = 5.0
+    r = faults.run_one("mpi", 2, fault, timeout, startup=60.0)
+    assert r["outcome"] == "diagnostic", r
+    assert r["diag_s"] <= timeout + 10, r
+    assert r["names_operation"] and r["names_peer"], r["message"]
+    assert "DEADLINE_EXCEEDED" in r["message"] and "timed out after 5" in r["message"], r["message"]
