@@ -153,13 +153,14 @@ mlir.register_lowering(gather_p, _gather_cuda, platform="cuda")
 
 # --- gather_sum -----------------------------------------------------------------------------------
 
-_SUMMABLE = (jnp.float32, jnp.bfloat16, jnp.float16)
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what the CUDA kernel sums
+_SUMMABLE = _KERNEL_DTYPES + (jnp.float64,)  # float64 (x64 mode): the XLA lowering everywhere
 
 
 def gather_sum(table, idx, weights=None, *, out_dtype=jnp.float32):
     """``sum_k weights[:, k] * table[idx[:, k]]`` in float32 (``k`` in order), as ``out_dtype``.
 
-    ``table``: ``(N, H)`` float32/bfloat16/float16; ``idx``: ``(M, K)`` integer, entries outside
+    ``table``: ``(N, H)`` float32/bfloat16/float16 (float64: XLA on every platform); ``idx``: ``(M, K)`` integer, entries outside
     ``[0, N)`` skipped; ``weights``: ``(M, K)`` (default: ones). Returns ``(M, H)``."""
     table = jnp.asarray(table)
     idx = jnp.asarray(idx).astype(jnp.int32)
@@ -168,8 +169,8 @@ def gather_sum(table, idx, weights=None, *, out_dtype=jnp.float32):
                          f"table {tuple(table.shape)} and idx {tuple(idx.shape)}")
     out_dtype = jnp.dtype(out_dtype)
     if table.dtype not in _SUMMABLE or out_dtype not in _SUMMABLE:
-        raise ValueError(f"row_kernels.gather_sum: table and out_dtype must be float32, bfloat16 "
-                         f"or float16, got {table.dtype} and {out_dtype}")
+        raise ValueError(f"row_kernels.gather_sum: table and out_dtype must be float32, bfloat16, "
+                         f"float16 or float64, got {table.dtype} and {out_dtype}")
     weights = (jnp.ones(idx.shape, jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
     if weights.shape != idx.shape:
@@ -182,10 +183,11 @@ def gather_sum(table, idx, weights=None, *, out_dtype=jnp.float32):
 def _gather_sum_reference(table, idx, weights, *, out_dtype, kernel=None):
     del kernel
     n = table.shape[0]
-    acc = jnp.zeros((idx.shape[0], table.shape[1]), jnp.float32)
+    acc_dtype = jnp.promote_types(table.dtype, jnp.float32)  # float32, or float64 under x64
+    acc = jnp.zeros((idx.shape[0], table.shape[1]), acc_dtype)
     for k in range(idx.shape[1]):
         ok = (idx[:, k] >= 0) & (idx[:, k] < n)
-        rows = jnp.take(table, jnp.clip(idx[:, k], 0, max(n - 1, 0)), axis=0).astype(jnp.float32)
+        rows = jnp.take(table, jnp.clip(idx[:, k], 0, max(n - 1, 0)), axis=0).astype(acc_dtype)
         acc = acc + jnp.where(ok[:, None], weights[:, k, None] * rows, 0.0)
     return acc.astype(out_dtype)
 
@@ -235,7 +237,8 @@ def _gather_sum_batch(args, dims, *, out_dtype, kernel):
 
 
 def _gather_sum_cuda(ctx, table, idx, weights, *, out_dtype, kernel):
-    if kernel and _registered():
+    dtypes = (ctx.avals_in[0].dtype, out_dtype)
+    if kernel and all(d in _KERNEL_DTYPES for d in dtypes) and _registered():
         return jax.ffi.ffi_lowering("ep_comm_rows_gather_sum")(ctx, table, idx, weights)
     return mlir.lower_fun(functools.partial(_gather_sum_reference, out_dtype=out_dtype),
                           multiple_results=False)(ctx, table, idx, weights)

@@ -101,7 +101,7 @@ def test_errors_name_the_argument():
                                          r"be 1-D, got table \(4, 3\) and idx \(2, 2\)"):
         row_kernels.gather(t, jnp.zeros((2, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"row_kernels.gather_sum: table and out_dtype must be "
-                                         r"float32, bfloat16 or float16, got int32 and float32"):
+                                         r"float32, bfloat16, float16 or float64, got int32 and float32"):
         row_kernels.gather_sum(jnp.zeros((4, 3), jnp.int32), jnp.zeros((2, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"row_kernels.gather_sum: weights must have idx's shape "
                                          r"\(2, 2\), got \(2, 3\)"):
