@@ -1,9 +1,10 @@
 """The row kernels of dispatch and combine: the gathers that move token rows by index.
 
-Two primitives, each lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
-``_ep_rows``) on GPUs where it is built, and to XLA everywhere else; the XLA lowering is the
-reference the kernels equal (``tests/test_row_kernels.py`` checks it on the GPU, bitwise for
-:func:`gather`, to float32 reassociation for :func:`gather_sum`).
+Four primitives, each lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
+``_ep_rows``) on GPUs where it is built, and to XLA everywhere else (:func:`_primitive` defines
+that choice once); the XLA lowering is the reference the kernels equal
+(``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, to float32
+reassociation for :func:`gather_sum`).
 
 - :func:`gather`: ``out[i] = table[idx[i]]``, rows of any dtype (FP8 rows as bytes too). A row
   with a negative index is zero; a row with an index ``>= len(table)`` is *unspecified*: the kernel
@@ -13,7 +14,6 @@ reference the kernels equal (``tests/test_row_kernels.py`` checks it on the GPU,
 - :func:`gather_sum`: ``out[m] = sum_k w[m, k] * table[idx[m, k]]`` accumulated in float32 in
   ``k`` order, slots whose index is outside the table skipped (they add exactly nothing, even where
   the table holds NaN), written once in the requested dtype.
-
 - :func:`gather_dequant`: :func:`gather` of FP8 wire rows and their dequantization in one pass
   (dispatch's receive side with ``EPConfig(wire_format=...)``).
 
@@ -21,9 +21,10 @@ And :func:`empty`: a buffer for an exchange to receive into, left uninitialised 
 memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
 
 ``EP_COMM_ROW_KERNELS=0`` (read when a program is traced) or :func:`xla_only` use the XLA lowering
-on GPUs too, for A/B comparisons. Both primitives are linear in the table (and ``gather_sum`` in
-the weights) with jvp, transpose (scatter-adds: ``ep_comm.rows`` gives dispatch and combine custom
-VJPs that avoid them) and batching rules.
+on GPUs too, for A/B comparisons. ``gather`` and ``gather_sum`` are linear in the table (and
+``gather_sum`` in the weights) with jvp and transpose rules (scatter-adds: ``ep_comm.rows`` gives
+dispatch and combine custom VJPs that avoid them); ``gather_dequant`` moves bytes (no gradient);
+every one with operands batches through its XLA reference.
 """
 
 from __future__ import annotations
@@ -81,6 +82,36 @@ def _poison(dtype):
     return jnp.array(np.array(-1, np.int64).astype(dtype))  # all bits set
 
 
+def _primitive(name, reference, abstract, static, ffi_attrs=lambda **params: {},
+               kernel_fits=lambda ctx, **params: True):
+    """The primitive ``name`` (also its FFI target's name): lowered to ``reference`` (an XLA
+    function of the operands and every parameter) everywhere, and to the CUDA kernel on GPUs when
+    its ``kernel`` parameter asks for it, ``kernel_fits`` and the kernels are built here (with the
+    attributes ``ffi_attrs(**params)``). Outside ``jit`` it runs jitted (``static``: its
+    parameters), so eager calls take the same lowering; batching goes through ``reference``."""
+    p = Primitive(name)
+
+    def xla(ctx, *args, **params):
+        return mlir.lower_fun(functools.partial(reference, **params),
+                              multiple_results=False)(ctx, *args)
+
+    def cuda(ctx, *args, **params):
+        if params["kernel"] and kernel_fits(ctx, **params) and _registered():
+            return jax.ffi.ffi_lowering(name)(ctx, *args, **ffi_attrs(**params))
+        return xla(ctx, *args, **params)
+
+    def batch(args, dims, **params):
+        return jax.vmap(functools.partial(reference, **params), in_axes=dims)(*args), 0
+
+    p.def_impl(functools.partial(jax.jit, static_argnames=static)(
+        lambda *args, **params: p.bind(*args, **params)))
+    p.def_abstract_eval(abstract)
+    batching.primitive_batchers[p] = batch
+    mlir.register_lowering(p, xla)
+    mlir.register_lowering(p, cuda, platform="cuda")
+    return p
+
+
 # --- gather ---------------------------------------------------------------------------------------
 
 def gather(table, idx):
@@ -129,26 +160,9 @@ def _gather_transpose(ct, table, idx, *, kernel):
     return [d.astype(aval.dtype), None]
 
 
-def _gather_batch(args, dims, *, kernel):
-    return jax.vmap(_gather_reference, in_axes=dims)(*args), 0
-
-
-def _gather_cuda(ctx, table, idx, *, kernel):
-    if kernel and _registered():
-        return jax.ffi.ffi_lowering("ep_comm_rows_gather")(ctx, table, idx)
-    return mlir.lower_fun(_gather_reference, multiple_results=False)(ctx, table, idx)
-
-
-gather_p = Primitive("ep_comm_rows_gather")
-gather_p.def_impl(functools.partial(jax.jit, static_argnames=("kernel",))(
-    lambda table, idx, kernel: gather_p.bind(table, idx, kernel=kernel)))
-gather_p.def_abstract_eval(_gather_abstract)
+gather_p = _primitive("ep_comm_rows_gather", _gather_reference, _gather_abstract, ("kernel",))
 ad.primitive_jvps[gather_p] = _gather_jvp
 ad.primitive_transposes[gather_p] = _gather_transpose
-batching.primitive_batchers[gather_p] = _gather_batch
-mlir.register_lowering(gather_p, mlir.lower_fun(
-    lambda table, idx, kernel: _gather_reference(table, idx), multiple_results=False))
-mlir.register_lowering(gather_p, _gather_cuda, platform="cuda")
 
 
 # --- gather_sum -----------------------------------------------------------------------------------
@@ -231,31 +245,13 @@ def _gather_sum_transpose(ct, table, idx, weights, *, out_dtype, kernel):
     return [d_table, None, d_w]
 
 
-def _gather_sum_batch(args, dims, *, out_dtype, kernel):
-    return jax.vmap(functools.partial(_gather_sum_reference, out_dtype=out_dtype),
-                    in_axes=dims)(*args), 0
-
-
-def _gather_sum_cuda(ctx, table, idx, weights, *, out_dtype, kernel):
-    dtypes = (ctx.avals_in[0].dtype, out_dtype)
-    if kernel and all(d in _KERNEL_DTYPES for d in dtypes) and _registered():
-        return jax.ffi.ffi_lowering("ep_comm_rows_gather_sum")(ctx, table, idx, weights)
-    return mlir.lower_fun(functools.partial(_gather_sum_reference, out_dtype=out_dtype),
-                          multiple_results=False)(ctx, table, idx, weights)
-
-
-gather_sum_p = Primitive("ep_comm_rows_gather_sum")
-gather_sum_p.def_impl(functools.partial(jax.jit, static_argnames=("out_dtype", "kernel"))(
-    lambda table, idx, weights, out_dtype, kernel: gather_sum_p.bind(
-        table, idx, weights, out_dtype=out_dtype, kernel=kernel)))
-gather_sum_p.def_abstract_eval(_gather_sum_abstract)
+gather_sum_p = _primitive(
+    "ep_comm_rows_gather_sum", _gather_sum_reference, _gather_sum_abstract,
+    ("out_dtype", "kernel"),
+    kernel_fits=lambda ctx, *, out_dtype, kernel: all(
+        d in _KERNEL_DTYPES for d in (ctx.avals_in[0].dtype, out_dtype)))
 ad.primitive_jvps[gather_sum_p] = _gather_sum_jvp
 ad.primitive_transposes[gather_sum_p] = _gather_sum_transpose
-batching.primitive_batchers[gather_sum_p] = _gather_sum_batch
-mlir.register_lowering(gather_sum_p, mlir.lower_fun(
-    lambda table, idx, weights, out_dtype, kernel: _gather_sum_reference(
-        table, idx, weights, out_dtype=out_dtype), multiple_results=False))
-mlir.register_lowering(gather_sum_p, _gather_sum_cuda, platform="cuda")
 
 
 # --- gather_dequant (the FP8 wire's receive side) -------------------------------------------------
@@ -316,28 +312,13 @@ def _gather_dequant_jvp(primals, tangents, **params):
     return out, ad.Zero.from_primal_value(out)
 
 
-def _gather_dequant_cuda(ctx, table, idx, *, hidden, block, mx, dtype, kernel):
-    if kernel and _registered():
-        return jax.ffi.ffi_lowering("ep_comm_rows_gather_dequant")(
-            ctx, table, idx, block=np.int64(block), mx=np.int64(mx))
-    return mlir.lower_fun(functools.partial(_gather_dequant_reference, hidden=hidden, block=block,
-                                            mx=mx, dtype=dtype),
-                          multiple_results=False)(ctx, table, idx)
-
-
-gather_dequant_p = Primitive("ep_comm_rows_gather_dequant")
-gather_dequant_p.def_impl(functools.partial(
-    jax.jit, static_argnames=("hidden", "block", "mx", "dtype", "kernel"))(
-    lambda table, idx, **kw: gather_dequant_p.bind(table, idx, **kw)))
-gather_dequant_p.def_abstract_eval(
+gather_dequant_p = _primitive(
+    "ep_comm_rows_gather_dequant", _gather_dequant_reference,
     lambda table, idx, *, hidden, block, mx, dtype, kernel: table.update(
-        shape=(idx.shape[0], hidden), dtype=dtype, weak_type=False))
+        shape=(idx.shape[0], hidden), dtype=dtype, weak_type=False),
+    ("hidden", "block", "mx", "dtype", "kernel"),
+    ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)))
 ad.primitive_jvps[gather_dequant_p] = _gather_dequant_jvp
-batching.primitive_batchers[gather_dequant_p] = lambda args, dims, **kw: (jax.vmap(
-    functools.partial(_gather_dequant_reference, **kw), in_axes=dims)(*args), 0)
-mlir.register_lowering(gather_dequant_p, lambda ctx, table, idx, **kw: mlir.lower_fun(
-    functools.partial(_gather_dequant_reference, **kw), multiple_results=False)(ctx, table, idx))
-mlir.register_lowering(gather_dequant_p, _gather_dequant_cuda, platform="cuda")
 
 
 # --- empty ----------------------------------------------------------------------------------------
@@ -357,19 +338,10 @@ def _empty_reference(*, shape, dtype, uid=None, kernel=None):
     return jnp.full(shape, _poison(dtype))
 
 
-def _empty_cuda(ctx, *, shape, dtype, uid, kernel):
-    if kernel and _registered():
-        return jax.ffi.ffi_lowering("ep_comm_rows_empty")(ctx, id=np.int64(uid))
-    return mlir.lower_fun(functools.partial(_empty_reference, shape=shape, dtype=dtype),
-                          multiple_results=False)(ctx)
-
-
-empty_p = Primitive("ep_comm_rows_empty")
-empty_p.def_impl(lambda *, shape, dtype, uid, kernel: _empty_reference(shape=shape, dtype=dtype))
-empty_p.def_abstract_eval(lambda *, shape, dtype, uid, kernel: jax.core.ShapedArray(shape, dtype))
-mlir.register_lowering(empty_p, lambda ctx, *, shape, dtype, uid, kernel: mlir.lower_fun(
-    functools.partial(_empty_reference, shape=shape, dtype=dtype), multiple_results=False)(ctx))
-mlir.register_lowering(empty_p, _empty_cuda, platform="cuda")
+empty_p = _primitive(
+    "ep_comm_rows_empty", _empty_reference,
+    lambda *, shape, dtype, uid, kernel: jax.core.ShapedArray(shape, dtype),
+    ("shape", "dtype", "uid", "kernel"), ffi_attrs=lambda *, uid, **_: dict(id=np.int64(uid)))
 
 
 def _registered() -> bool:
