@@ -134,8 +134,8 @@ def kernel_us(fn, args, folder, calls: int = 5) -> tuple[float, list]:
 
 
 def _copy_ceiling_us(nbytes: int, warmup: int, iters: int) -> float | None:
-    """Median time of one device copy of ``nbytes`` bytes read and written in all (GPU with the
-    engine built), else None."""
+    """Pipelined time (:func:`collectives.timing.pipelined_us`) of one device copy of ``nbytes``
+    bytes read and written in all (GPU with the engine built), else None."""
     if jax.default_backend() != "gpu" or collectives.available().get("nccl") is not None:
         return None
     from collectives.bench import device_copy
@@ -174,9 +174,10 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     payload = int(max(sends.sum(1).max(), sends.sum(0).max())) * H * itemsize
     # compulsory bytes of either phase on the busiest rank: its T token rows and the expert rows
     # of the (token, expert) pairs it receives
-    distinct = np.sort(ids, axis=1)
-    distinct = np.concatenate([distinct[:, :1] >= 0, distinct[:, 1:] != distinct[:, :-1]], 1)
-    pairs = np.bincount((np.sort(ids, axis=1) // L)[distinct], minlength=n)
+    sorted_ids = np.sort(ids, axis=1)
+    distinct = np.concatenate([sorted_ids[:, :1] >= 0,
+                               sorted_ids[:, 1:] != sorted_ids[:, :-1]], 1)
+    pairs = np.bincount((sorted_ids // L)[distinct], minlength=n)
     compulsory = int((T + pairs.max()) * H * itemsize)
     copy_us = _copy_ceiling_us(compulsory, warmup, iters)
 
@@ -202,23 +203,10 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         comb = smap(ep_comm.combine)
         ex, h = disp(xs, idss, ws)
         y = comb(ex, h)
-        t_d = median_us(disp, (xs, idss, ws), warmup, iters)
-        t_c = median_us(comb, (ex, h), warmup, iters)
-        kern = {}
-        if profile:
-            for phase, fn, fargs in (("dispatch", disp, (xs, idss, ws)), ("combine", comb, (ex, h))):
-                kern[phase] = kernel_us(fn, fargs, f"{profile}/{backend}_{plan}_{wire_format}_"
-                                                   f"{phase}")
-        piped = {"dispatch": pipelined_us(disp, (xs, idss, ws), 1, iters),
-                 "combine": pipelined_us(comb, (ex, h), 1, iters)}
-        timed = [("dispatch", t_d), ("combine", t_c)]
+        phases = [("dispatch", disp, (xs, idss, ws)), ("combine", comb, (ex, h))]
         if wire_format is not None:
             disp_q = smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg, return_quantized=True))
-            timed.append(("dispatch q", median_us(disp_q, (xs, idss, ws), warmup, iters)))
-            piped["dispatch q"] = pipelined_us(disp_q, (xs, idss, ws), 1, iters)
-            if profile:
-                kern["dispatch q"] = kernel_us(disp_q, (xs, idss, ws),
-                                               f"{profile}/{backend}_{plan}_{wire_format}_q")
+            phases.append(("dispatch q", disp_q, (xs, idss, ws)))
         # bytes per rank and link class, as dispatch counted them: (n, phase, class)
         sent = ep_comm.distributed.to_host(h.link_rows).reshape(n, 2, -1).astype(np.float64)
         sent = sent * np.array([row_d, row_c])[None, :, None]
@@ -237,15 +225,18 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                       plan=plan, wrong=wrong(y, fp8_tol), wire_format=wire_format,
                       dropped=int(ep_comm.distributed.to_host(h.num_dropped).sum()),
                       buffers=cfg.buffer_bytes(H, dtype, plan, topo.num_nodes)["total"])
-        for phase, t in timed:
+        for phase, fn, fargs in phases:
             i = int(phase == "combine")
-            extra = dict(pipelined_us=piped[phase])
+            t = median_us(fn, fargs, warmup, iters)
+            piped = pipelined_us(fn, fargs, 1, iters)
+            extra = dict(pipelined_us=piped)
             if copy_us:
-                extra.update(copy_us=copy_us, x_copy=piped[phase] / copy_us)
-            if kern.get(phase, (0,))[0] > 0:  # GPU kernels in the trace (none on CPU)
-                extra.update(kernel_us=kern[phase][0],
-                             wall_over_kernel=piped[phase] / kern[phase][0],
-                             top_kernels=kern[phase][1])
+                extra.update(copy_us=copy_us, x_copy=piped / copy_us)
+            trace_dir = f"{profile}/{backend}_{plan}_{wire_format}_{phase.replace(' ', '_')}"
+            kern = kernel_us(fn, fargs, trace_dir) if profile else (0.0, [])
+            if kern[0] > 0:  # GPU kernels in the trace (none on CPU)
+                extra.update(kernel_us=kern[0], wall_over_kernel=piped / kern[0],
+                             top_kernels=kern[1])
             results.append(dict(phase=phase, time_us=t, wire=(wire, wire_c)[i],
                                 network_bytes_max=float(sent[:, i, net].max()),
                                 network_bytes_total=float(sent[:, i, net].sum()),
