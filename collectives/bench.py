@@ -43,11 +43,13 @@ def _exchange(backend):
 
 
 def device_copy(x, into):
-    """``x`` copied into ``into``'s buffer (same shape and dtype) by one ``cudaMemcpyAsync``: the
-    benchmark's ceiling for moving its bytes."""
+    """``x`` copied by one ``cudaMemcpyAsync`` into a fresh buffer shaped like ``into`` (same shape
+    and dtype): the benchmark's ceiling for moving its bytes. Not aliased to ``into``: outside a
+    loop carry XLA would first copy a non-donated ``into`` (a second pass the ceiling would
+    count)."""
     bootstrap.register_targets("nccl")
-    return jax.ffi.ffi_call("ep_comm_device_copy", jax.ShapeDtypeStruct(into.shape, into.dtype),
-                            input_output_aliases={1: 0})(x, into)
+    return jax.ffi.ffi_call("ep_comm_device_copy",
+                            jax.ShapeDtypeStruct(into.shape, into.dtype))(x, into)
 
 
 @contextlib.contextmanager

@@ -122,14 +122,9 @@ def register_targets(name: str) -> None:
         if name == "mpi":
             jax.ffi.register_ffi_target("ep_comm_mpi_exchange", mod.handler(), platform="cpu")
         elif name == "rows":
-            jax.ffi.register_ffi_target("ep_comm_rows_gather", mod.gather_handler(),
-                                        platform="CUDA")
-            jax.ffi.register_ffi_target("ep_comm_rows_gather_sum", mod.gather_sum_handler(),
-                                        platform="CUDA")
-            jax.ffi.register_ffi_target("ep_comm_rows_empty", mod.empty_handler(),
-                                        platform="CUDA")
-            jax.ffi.register_ffi_target("ep_comm_rows_gather_dequant",
-                                        mod.gather_dequant_handler(), platform="CUDA")
+            for op in ("gather", "gather_sum", "empty", "gather_dequant", "scatter"):
+                jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),
+                                            platform="CUDA")
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

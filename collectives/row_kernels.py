@@ -1,6 +1,6 @@
 """The row kernels of dispatch and combine: the gathers that move token rows by index.
 
-Four primitives, each lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
+Five primitives, each lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
 ``_ep_rows``) on GPUs where it is built, and to XLA everywhere else (:func:`_primitive` defines
 that choice once); the XLA lowering is the reference the kernels equal
 (``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, to float32
@@ -14,6 +14,8 @@ reassociation for :func:`gather_sum`).
 - :func:`gather_sum`: ``out[m] = sum_k w[m, k] * table[idx[m, k]]`` accumulated in float32 in
   ``k`` order, slots whose index is outside the table skipped (they add exactly nothing, even where
   the table holds NaN), written once in the requested dtype.
+- :func:`scatter`: ``out[pos[n, k]] = table[n]``, each table row read once and written to its
+  destinations (dispatch's expand), chosen rows zeroed, the others unspecified as :func:`gather`'s.
 - :func:`gather_dequant`: :func:`gather` of FP8 wire rows and their dequantization in one pass
   (dispatch's receive side with ``EPConfig(wire_format=...)``).
 
@@ -163,6 +165,68 @@ def _gather_transpose(ct, table, idx, *, kernel):
 gather_p = _primitive("ep_comm_rows_gather", _gather_reference, _gather_abstract, ("kernel",))
 ad.primitive_jvps[gather_p] = _gather_jvp
 ad.primitive_transposes[gather_p] = _gather_transpose
+
+
+# --- scatter --------------------------------------------------------------------------------------
+
+def scatter(table, pos, fill, rows: int):
+    """``(rows, ...)``: row ``pos[n, k]`` is ``table[n]`` (entries outside ``[0, rows)`` skipped),
+    row ``fill[f]`` is zero (the same), every other row unspecified. A row must be the target of
+    at most one entry of ``pos`` and not also be filled.
+    ``table``: ``(N, ...)``; ``pos``: ``(N, K)`` integer; ``fill``: ``(F,)`` integer.
+
+    Each table row is read once and written to its destinations: dispatch's expand of a received
+    token into its expert rows moves exactly the compulsory bytes. Linear in the table; its
+    transpose is :func:`gather_sum` over ``pos`` (a gather, no scatter-add)."""
+    table = jnp.asarray(table)
+    pos = jnp.asarray(pos).astype(jnp.int32)
+    fill = jnp.asarray(fill).astype(jnp.int32)
+    if table.ndim < 1 or pos.ndim != 2 or pos.shape[0] != table.shape[0] or fill.ndim != 1:
+        raise ValueError(f"row_kernels.scatter: table must have a row axis, pos be (rows of table, "
+                         f"K) and fill 1-D, got table {tuple(table.shape)}, pos "
+                         f"{tuple(pos.shape)} and fill {tuple(fill.shape)}")
+    if int(rows) < 0:
+        raise ValueError(f"row_kernels.scatter: rows must be >= 0, got {rows}")
+    table, pos, fill = _same_vma(table, pos, fill)
+    return scatter_p.bind(table, pos, fill, rows=int(rows), kernel=_want_kernels())
+
+
+def _scatter_reference(table, pos, fill, *, rows, kernel=None):
+    del kernel
+    N, K = pos.shape
+    out = jnp.full((rows, *table.shape[1:]), _poison(table.dtype))
+    inside = lambda i: jnp.where((i >= 0) & (i < rows), i, rows)  # noqa: E731  (rows: dropped)
+    src = jnp.repeat(jnp.arange(N, dtype=jnp.int32), K)
+    out = out.at[inside(pos.reshape(-1))].set(jnp.take(table, src, axis=0), mode="drop")
+    return out.at[inside(fill)].set(jnp.zeros((), table.dtype), mode="drop")
+
+
+def _scatter_jvp(primals, tangents, *, rows, kernel):
+    table, pos, fill = primals
+    out = scatter_p.bind(table, pos, fill, rows=rows, kernel=kernel)
+    t = tangents[0]
+    if type(t) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, scatter_p.bind(ad.instantiate_zeros(t), pos, fill, rows=rows, kernel=kernel)
+
+
+def _scatter_transpose(ct, table, pos, fill, *, rows, kernel):
+    aval = table.aval
+    if type(ct) is ad.Zero:
+        return [ad.Zero(aval), None, None]
+    # d table[n] = sum_k d out[pos[n, k]]: a gather (each target row belongs to one n)
+    flat, pos, ones = _same_vma(ct.reshape(ct.shape[0], -1), pos,
+                                jnp.ones(pos.shape, jnp.float32))
+    d = gather_sum_p.bind(flat, pos, ones, out_dtype=aval.dtype, kernel=kernel)
+    return [d.reshape(aval.shape), None, None]
+
+
+scatter_p = _primitive("ep_comm_rows_scatter", _scatter_reference,
+                       lambda table, pos, fill, *, rows, kernel: table.update(
+                           shape=(rows, *table.shape[1:]), weak_type=False),
+                       ("rows", "kernel"))
+ad.primitive_jvps[scatter_p] = _scatter_jvp
+ad.primitive_transposes[scatter_p] = _scatter_transpose
 
 
 # --- gather_sum -----------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from collectives import row_kernels
 from ep_comm import wire
 from ep_comm.config import EPConfig
 from ep_comm.layout import repeats_earlier
-from ep_comm.rows import gather_rows
 from ep_comm.routes import Route, exclusive_cumsum
 
 
@@ -87,19 +86,21 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None) -> Exp
         buf_rows = jnp.where(received, flat_to_buf, R)
         recv_pos = jnp.full((R, K), C, i32).at[buf_rows].set(recv_pos, mode="drop")
         recv_w = jnp.zeros((R, K), jnp.float32).at[buf_rows].set(recv_w, mode="drop")
-    # the gather's transpose (dispatch's backward) is a gather over the expert rows reading each
-    # buffer row
     # rows past the groups: zero (config.zero_fill, or the first ZERO_TAIL_ROWS of them), else
     # unspecified
-    past = q - jnp.minimum(num_pairs, C)
-    unused = jnp.where(cfg.zero_fill | (past < ZERO_TAIL_ROWS), -1, R)
-    rows = jnp.where(used, src_row, unused)
+    filled = jnp.minimum(num_pairs, C)
     if dequantize_to is not None:
         hidden, dtype = dequantize_to
+        past = q - filled
+        rows = jnp.where(used, src_row, jnp.where(cfg.zero_fill | (past < ZERO_TAIL_ROWS), -1, R))
         expert_x = row_kernels.gather_dequant(buf_x, rows, hidden=hidden,
                                               block=wire.BLOCK[cfg.wire_format],
                                               mx=cfg.wire_format == "mxfp8", dtype=dtype)
     else:
-        expert_x = gather_rows(buf_x, rows, expert_rows_read(recv_pos, C), fill=False)
+        # each received row read once and written to its expert rows; the transpose (dispatch's
+        # backward) gathers each row's expert rows
+        fill = (jnp.where(q >= filled, q, -1) if cfg.zero_fill
+                else filled + jnp.arange(min(ZERO_TAIL_ROWS, C), dtype=i32))
+        expert_x = row_kernels.scatter(buf_x, expert_rows_read(recv_pos, C), fill, C)
 
     return Expanded(expert_x, group_sizes, recv_pos, recv_w, expert_token)

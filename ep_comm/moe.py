@@ -42,7 +42,7 @@ from ep_comm import wire
 from ep_comm.overflow import runtime_check
 from ep_comm.rows import gather_sum
 from ep_comm.routes import (exchange, exclusive_cumsum, flat_route, gather_counts,
-                            hierarchical_route, link_rows)
+                            hierarchical_route, is_local, link_rows, local_route)
 from topology.jax_compat import axis_size
 
 
@@ -129,9 +129,12 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     route = jnp.concatenate([topk_weights.astype(jnp.float32), topk_ids.astype(jnp.float32)], 1)
     # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes
     rows = x if cfg.wire_format is None else wire.pack_rows(x, cfg.wire_format)
+    local = is_local(cfg, plan.kind)
     if hierarchical:
         moved = hierarchical_route(cfg, plan, rows, route, node, in_node, kept,
                                    counts[:, 2 * n:], me)
+    elif local:
+        moved = local_route(cfg, rows, route, dest, tok, kept)
     else:
         moved = flat_route(cfg, plan, rows, route, dest, tok, kept, me)
 
@@ -139,7 +142,9 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     num_recv = jnp.sum(kept[:, me])
     dequantize_to = (None if cfg.wire_format is None or return_quantized
                      else (x.shape[1], x.dtype))
-    ex = expand(cfg, moved, num_recv, me, dequantize_to)
+    # (a local route's buffer holds every token: all its rows count, those without an expert
+    # here carry none)
+    ex = expand(cfg, moved, R if local else num_recv, me, dequantize_to)
     sent = link_rows(plan, moved.legs, me)  # per link class, dispatch and combine
     expected = jnp.sum(pairs[:, me])
     handle = EPHandle(
@@ -253,6 +258,8 @@ def combine(expert_y, handle: EPHandle):
     # Receiver: weighted sum over this rank's experts of each received token.
     partial = gather_sum(expert_y, handle.recv_pos, handle.recv_pos < C, handle.recv_weights,
                          out_dtype=wire)
+    if is_local(cfg, handle.plan):  # the receive buffer was the tokens: row t is token t's sum
+        return partial.astype(expert_y.dtype)
     if handle.plan == "flat":
         back = exchange(cfg, plan.stages[0], handle.legs[0], partial,
                          cfg.send_rows, T, "combine", reverse=True)

@@ -181,6 +181,28 @@ def flat_route(cfg, plan, x, route, dest, tok, kept, me) -> Route:
     return Route(recv_x, recv_route, None, (leg,), first_rows(dest, send_row, n), None)
 
 
+def is_local(cfg, plan_kind: str) -> bool:
+    """Whether dispatch moves nothing between ranks: one rank (flat plan) with room for every
+    token. Then the receive buffer is the token rows themselves (:func:`local_route`) and combine
+    has no exchange to run back."""
+    return (plan_kind == "flat" and cfg.num_ranks == 1
+            and cfg.recv_token_rows >= cfg.tokens_per_rank)
+
+
+def local_route(cfg, x, route, dest, tok, kept) -> Route:
+    """The flat route when :func:`is_local`: no pack and no exchange (a self-copy), the receive
+    buffer is ``x`` itself, row ``t`` token ``t`` (a token without an expert here has routing -1);
+    so dispatch's expand is the only pass over the rows. The leg still describes the (self)
+    traffic, for ``EPHandle.traffic`` and ``link_rows``."""
+    T, K = cfg.tokens_per_rank, cfg.topk
+    ok = dest == 0
+    buf_route = jnp.concatenate([jnp.where(ok, route[:, :K], 0.0),
+                                 jnp.where(ok, route[:, K:], -1.0)], axis=1)
+    send_row = jnp.where(jnp.any(ok, axis=1), jnp.arange(T, dtype=jnp.int32), -1)[:, None]
+    leg = make_leg(kept, exclusive_cumsum(tok, axis=1), 0, jnp.zeros((1,), jnp.int32))
+    return Route(x, buf_route, None, (leg,), first_rows(dest, send_row, 1), None)
+
+
 def first_rows(dest, send_row, P):
     """``(T, K)`` send row of slot ``k`` when it is the first of its token's slots to its
     destination (``dest`` in ``[0, P)``; ``P`` = not routed), else -1."""

@@ -7,7 +7,8 @@
 # engine's exchange at four sizes. STEPS picks steps (default: all of
 # build,tests,exchange,dispatch,topology; `sanitize` -- compute-sanitizer memcheck of the row
 # kernels' tests -- and `layer` -- the MoE layer and grouped GEMM sweep with
-# tokamax from .whl/, see below -- runs when named); nvidia-ml-py is installed from wheels/ when the image
+# tokamax from .whl/, see below -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
+# named); nvidia-ml-py is installed from wheels/ when the image
 # lacks it. Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,11 @@ if step layer; then
   "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
     --topk 8 ${LAYER_ARGS:---tune} --profile /tmp/layer_profile --json "$OUT/layer.json" 2>&1 \
     | tee "$OUT/layer.txt"
+fi
+if step lifecycle; then
+  echo "== lifecycle: bootstrap -> exchange -> finalize cycles (NCCL), GPU memory against before"
+  "$PY" scripts/lifecycle.py --backend nccl --cycles "${LIFECYCLE_CYCLES:-50}" \
+    --json "$OUT/lifecycle_gpu.json" 2>&1 | tail -40 | tee "$OUT/lifecycle_gpu.txt"
 fi
 if step topology; then
   echo "== topology: discovery (NVML) and the cost model's self link calibrated on this GPU"

@@ -129,6 +129,50 @@ def test_linear_experts_equal_dense_model_with_gradients(sharded, n, rng, kind, 
     np.testing.assert_allclose(gW, rW, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["random", "masked", "one_expert"])
+@pytest.mark.parametrize("capacity", [None, T - 3])
+def test_one_rank_skips_the_exchange(rng, kind, capacity):
+    """At one rank with room for every token, dispatch neither packs nor exchanges: one scatter of
+    x into expert_x (and combine one weighted gather); the results, gradients included, equal the
+    numpy model and the dense MoE as on any mesh. A capacity below the tokens takes the general
+    path (pack, self-exchange) and drops what does not fit, counted."""
+    from conftest import Sharded
+
+    one = Sharded(jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,),
+                                devices=jax.devices()[:1]))
+    cfg = config(1, recv_capacity=capacity)
+    from ep_comm.routes import is_local
+    assert is_local(cfg, "flat") == (capacity is None)
+    E = cfg.num_experts
+    x, ids, w = inputs(rng, 1, kind)
+    W = (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(np.float32)
+    cot = rng.standard_normal((T, F)).astype(np.float32)
+
+    def moe(x, ids, w, W_):
+        ex, h = ep_comm.dispatch(x, ids, w, cfg)
+        return ex, h, ep_comm.combine(jax.lax.ragged_dot(ex, W_, h.group_sizes), h)
+
+    def f(x, ids, w, W_, cot):
+        loss = lambda x, w, W_: jnp.sum(moe(x, ids, w, W_)[2] * cot)
+        return moe(x, ids, w, W_) + jax.grad(loss, argnums=(0, 1, 2))(x, w, W_)
+
+    program = one.smap(f)
+    text = str(jax.make_jaxpr(program)(*one.put(x, ids, w, W, cot)))
+    # an exchange receives into a fresh row_kernels.empty buffer
+    assert ("ep_comm_rows_empty" in text) == (capacity is not None), "exchange present or not"
+    ex, h, y, gx, gw, gW = one.get(program(*one.put(x, ids, w, W, cot)))
+    ref = Reference(ids, 1, E, T, cfg.expert_rows, cfg.recv_token_rows)
+    np.testing.assert_array_equal(ex.reshape(1, cfg.expert_rows, H), ref.expert_x(x))
+    np.testing.assert_array_equal(h.group_sizes.reshape(1, -1), ref.group_sizes)
+    np.testing.assert_array_equal(h.num_dropped, int((~ref.kept & (ids >= 0)).sum()))
+    assert int(h.num_recv_tokens[0]) == min(int((ids >= 0).any(1).sum()), cfg.recv_token_rows)
+    np.testing.assert_allclose(y, ref.combine(x, ids, w, W), rtol=1e-5, atol=1e-5)
+    if capacity is None:
+        dense_loss = lambda x, w, W: jnp.sum(dense_moe(x, ids, w, W) * cot)
+        for got, want in zip((gx, gw, gW), jax.grad(dense_loss, argnums=(0, 1, 2))(x, w, W)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("combine_dtype", [None, "float32"])
 def test_bfloat16_tokens(sharded, n, rng, combine_dtype):
     cfg = config(n, combine_dtype=combine_dtype)

@@ -108,6 +108,38 @@ def test_errors_name_the_argument():
         row_kernels.gather_sum(t, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 3)))
 
 
+def test_scatter_rows_fill_and_unspecified():
+    table = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+    pos = jnp.array([[0, 5], [2, -1], [9, 2 ** 31 - 1], [1, -2 ** 31]], jnp.int32)
+    fill = jnp.array([3, 4, -2, 100], jnp.int32)
+    out = np.asarray(jax.jit(row_kernels.scatter, static_argnums=3)(table, pos, fill, 7))
+    np.testing.assert_array_equal(out[[0, 5, 2, 1]], np.asarray(table)[[0, 0, 1, 3]])
+    np.testing.assert_array_equal(out[[3, 4]], 0.0)  # filled
+    if not ON_GPU:  # neither written nor filled: unspecified, poisoned by the XLA path
+        assert np.isnan(out[6]).all()
+    raw = jnp.arange(6, dtype=jnp.uint8).reshape(3, 2)  # bytes move the same way
+    got = np.asarray(row_kernels.scatter(raw, jnp.array([[1], [-1], [0]]), jnp.zeros((0,)), 2))
+    np.testing.assert_array_equal(got, [[4, 5], [0, 1]])
+    # transpose: each table row gathers its targets' cotangents (a gather, no scatter-add)
+    cot = jnp.asarray(np.random.default_rng(2).standard_normal((7, 3)), jnp.float32)
+    d = jax.vjp(lambda t: row_kernels.scatter(t, pos, fill, 7), table)[1](cot)[0]
+    ok = np.asarray((pos >= 0) & (pos < 7))
+    want = np.stack([sum((np.asarray(cot)[p] for p, o in zip(np.asarray(pos)[n], ok[n]) if o),
+                         np.zeros(3, np.float32))
+                     for n in range(4)])
+    np.testing.assert_allclose(d, want, rtol=1e-6)
+    jvp = jax.jvp(lambda t: row_kernels.scatter(t, pos, fill, 7), (table,), (2 * table,))[1]
+    np.testing.assert_array_equal(np.asarray(jvp)[:6], 2 * out[:6])
+    batched = jax.vmap(lambda t: row_kernels.scatter(t, pos, fill, 7))(jnp.stack([table, -table]))
+    np.testing.assert_array_equal(np.asarray(batched[1])[:6], -out[:6])
+    with pytest.raises(ValueError, match=r"row_kernels.scatter: table must have a row axis, pos be "
+                                         r"\(rows of table, K\) and fill 1-D, got table \(4, 3\), "
+                                         r"pos \(3, 2\) and fill \(4,\)"):
+        row_kernels.scatter(table, pos[:3], fill, 7)
+    with pytest.raises(ValueError, match=r"row_kernels.scatter: rows must be >= 0, got -1"):
+        row_kernels.scatter(table, pos, fill, -1)
+
+
 def test_expert_x_zero_fill_option():
     """``EPConfig(zero_fill=True)``: every row past the groups is zero (the default leaves all
     but the first ZERO_TAIL_ROWS unspecified)."""
@@ -144,6 +176,26 @@ def test_gather_kernel_bitwise(dtype, width):
     idx = jnp.asarray(idx, jnp.int32)
     got, want = _both(row_kernels.gather, table, idx)
     defined = np.asarray(idx) < N
+    np.testing.assert_array_equal(np.asarray(got)[defined], np.asarray(want)[defined])
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype,width", [(jnp.bfloat16, 7168), (jnp.float32, 100),
+                                         (jnp.uint8, 3), (jnp.bfloat16, 6)])
+def test_scatter_kernel_bitwise(dtype, width):
+    rng = np.random.default_rng(width + 1)
+    N, K, C = 300, 5, 1700
+    table = jnp.asarray(rng.integers(0, 255, (N, width)) if dtype == jnp.uint8
+                        else rng.standard_normal((N, width)), dtype)
+    # distinct targets, some slots malformed (negative, past the buffer, int32 extremes)
+    pos = rng.permutation(C)[:N * K].reshape(N, K)
+    bad = rng.random((N, K)) < 0.3
+    pos = np.where(bad, rng.choice(np.array([-1, -2 ** 31, C, C + 9, 2 ** 31 - 1]), (N, K)), pos)
+    free = np.setdiff1d(np.arange(C), pos)
+    fill = np.concatenate([rng.choice(free, 40, replace=False), [-5, C, 2 ** 31 - 1]])
+    got, want = _both(lambda t, p, f: row_kernels.scatter(t, p, f, C), table,
+                      jnp.asarray(pos, jnp.int32), jnp.asarray(fill, jnp.int32))
+    defined = np.isin(np.arange(C), np.concatenate([pos[~bad], fill[:40]]))
     np.testing.assert_array_equal(np.asarray(got)[defined], np.asarray(want)[defined])
 
 

@@ -9,6 +9,9 @@
 //   ep_comm_rows_gather_sum  out[m] = sum_k w[m, k] * table[idx[m, k]], accumulated in float32 in
 //                            k order, slots with an index outside [0, N) skipped (they add exactly
 //                            nothing, even where the table holds NaN); written once in out's dtype.
+//   ep_comm_rows_scatter     out[pos[n, k]] = table[n] for pos[n, k] in [0, M), out[fill[f]] = 0
+//                            for fill[f] in [0, M); other rows unwritten (dispatch's expand:
+//                            each received row read once, written to each of its expert rows).
 //   ep_comm_rows_gather_dequant  gather FP8 rows (values, then block scales) and dequantize them
 //                            in the same pass (the FP8 wire's receive side); rows as gather's.
 //   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
@@ -133,6 +136,104 @@ ffi::Error Gather(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S3
     e = launch_gather<uint8_t>(stream, t, ix, o, n_table, m, row_bytes);
   }
   if (e != cudaSuccess) return ffi::Error::Internal("ep_comm rows gather: launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+// ---- scatter ------------------------------------------------------------------------------------
+// out[pos[n, k]] = table[n] for every k with pos[n, k] in [0, M); out[fill[f]] = 0 for fill[f] in
+// [0, M); every other row left unwritten. Each table row is read once and written to each of its
+// destinations (dispatch's expand: a received token row into its expert rows), so the traffic is
+// the compulsory bytes: N rows read, the destination rows written.
+
+template <typename V>
+__global__ void __launch_bounds__(kThreads)
+scatter_kernel(const V* __restrict__ table, const int32_t* __restrict__ pos,
+               const int32_t* __restrict__ fill, V* __restrict__ out, int64_t n, int K,
+               int64_t n_fill, int64_t m, int64_t units, int lanes) {
+  const int rows_per_block = kThreads / lanes;
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = int64_t{blockIdx.x} * rows_per_block + threadIdx.x / lanes; i < n + n_fill;
+       i += int64_t{gridDim.x} * rows_per_block) {
+    if (i >= n) {  // a row to zero
+      const int64_t r = fill[i - n];
+      if (r < 0 || r >= m) continue;
+      V* dst = out + r * units;
+      for (int64_t c = lane; c < units; c += lanes) dst[c] = V{};
+      continue;
+    }
+    const int32_t* p = pos + i * K;
+    bool any = false;
+    for (int k = 0; k < K; ++k) any |= p[k] >= 0 && p[k] < m;
+    if (!any) continue;
+    const V* src = table + i * units;
+    int64_t c = lane;
+    for (; c + 3 * lanes < units; c += 4 * lanes) {  // four loads in flight, then K x four stores
+      const V a = load_nc(src + c), b = load_nc(src + c + lanes),
+              d = load_nc(src + c + 2 * lanes), e = load_nc(src + c + 3 * lanes);
+      for (int k = 0; k < K; ++k) {
+        const int64_t r = p[k];
+        if (r < 0 || r >= m) continue;
+        V* dst = out + r * units;
+        dst[c] = a;
+        dst[c + lanes] = b;
+        dst[c + 2 * lanes] = d;
+        dst[c + 3 * lanes] = e;
+      }
+    }
+    for (; c < units; c += lanes) {
+      const V a = load_nc(src + c);
+      for (int k = 0; k < K; ++k) {
+        const int64_t r = p[k];
+        if (r >= 0 && r < m) out[r * units + c] = a;
+      }
+    }
+  }
+}
+
+template <typename V>
+cudaError_t launch_scatter(cudaStream_t s, const void* table, const int32_t* pos,
+                           const int32_t* fill, void* out, int64_t n, int K, int64_t n_fill,
+                           int64_t m, int64_t row_bytes) {
+  const int64_t units = row_bytes / static_cast<int64_t>(sizeof(V));
+  const int lanes = lanes_for(units);
+  scatter_kernel<V><<<grid_for(n + n_fill, kThreads / lanes), kThreads, 0, s>>>(
+      static_cast<const V*>(table), pos, fill, static_cast<V*>(out), n, K, n_fill, m, units,
+      lanes);
+  return cudaGetLastError();
+}
+
+ffi::Error Scatter(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> pos,
+                   ffi::Buffer<ffi::S32> fill, ffi::Result<ffi::AnyBuffer> out) {
+  const std::string where = "ep_comm rows scatter: ";
+  const int64_t row_bytes = row_bytes_of(table), n = rows_of(table), m = rows_of(*out);
+  const auto pdims = pos.dimensions();
+  if (pdims.size() != 2 || pdims[0] != n) {
+    return ffi::Error::InvalidArgument(where + "pos must be (N, K) for a table of " +
+                                       std::to_string(n) + " rows");
+  }
+  if (row_bytes_of(*out) != row_bytes || out->element_type() != table.element_type()) {
+    return ffi::Error::InvalidArgument(where + "the result must have the table's row type and "
+                                       "width; got rows of " + std::to_string(row_bytes_of(*out)) +
+                                       " bytes for table rows of " + std::to_string(row_bytes));
+  }
+  const int K = static_cast<int>(pdims[1]);
+  const int64_t n_fill = fill.element_count();
+  if (row_bytes == 0 || m == 0 || (n * K == 0 && n_fill == 0)) return ffi::Error::Success();
+  const void* t = table.untyped_data();
+  void* o = out->untyped_data();
+  const int32_t* p = pos.typed_data();
+  const int32_t* f = fill.typed_data();
+  cudaError_t e;
+  if (row_bytes % 16 == 0 && aligned(t, 16) && aligned(o, 16)) {
+    e = launch_scatter<uint4>(stream, t, p, f, o, n, K, n_fill, m, row_bytes);
+  } else if (row_bytes % 8 == 0 && aligned(t, 8) && aligned(o, 8)) {
+    e = launch_scatter<uint2>(stream, t, p, f, o, n, K, n_fill, m, row_bytes);
+  } else if (row_bytes % 4 == 0 && aligned(t, 4) && aligned(o, 4)) {
+    e = launch_scatter<uint32_t>(stream, t, p, f, o, n, K, n_fill, m, row_bytes);
+  } else {
+    e = launch_scatter<uint8_t>(stream, t, p, f, o, n, K, n_fill, m, row_bytes);
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
 }
 
@@ -372,11 +473,62 @@ ffi::Error Empty(ffi::Result<ffi::AnyBuffer> /*out*/, int64_t /*id: keeps calls 
 
 }  // namespace
 
+// The scatter on malformed targets and fill rows: N table rows (already on the device) into C
+// rows; slot (n, k) targets a distinct row, every fifth slot an out-of-range one instead. Returns
+// the wrong values (targets against the table, filled rows against zero, the others against the
+// untouched memset), or -1 when CUDA fails.
+template <typename Next>
+int64_t scatter_selftest(cudaStream_t s, const void* d_table, int64_t N, int64_t H, Next& next) {
+  const int K = 8;
+  const int64_t C = 600;  // > N * K distinct targets: (n * K + k) * 7 mod C (7 is prime to C)
+  const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, static_cast<int32_t>(C), -7};
+  std::vector<int32_t> pos(N * K), owner(C, -1), fill;
+  for (int64_t i = 0; i < N * K; ++i) {
+    pos[i] = i % 5 == 4 ? odd[next() % 5] : static_cast<int32_t>(i * 7 % C);
+    if (pos[i] >= 0 && pos[i] < C) owner[pos[i]] = static_cast<int32_t>(i / K);
+  }
+  for (int64_t r = 0; r < C; ++r) {
+    if (owner[r] < 0 && next() % 2) fill.push_back(static_cast<int32_t>(r));
+  }
+  const size_t n_fill = fill.size();
+  fill.push_back(-3);
+  fill.push_back(INT32_MAX);
+  std::vector<uint16_t> table(N * H), out(C * H);
+  void *d_pos = nullptr, *d_fill = nullptr, *d_out = nullptr;
+  auto ok = [](cudaError_t e) { return e == cudaSuccess; };
+  int64_t wrong = -1;
+  if (ok(cudaMalloc(&d_pos, pos.size() * 4)) && ok(cudaMalloc(&d_fill, fill.size() * 4)) &&
+      ok(cudaMalloc(&d_out, C * H * 2)) && ok(cudaMemset(d_out, 0xff, C * H * 2)) &&
+      ok(cudaMemcpy(d_pos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice)) &&
+      ok(cudaMemcpy(d_fill, fill.data(), fill.size() * 4, cudaMemcpyHostToDevice)) &&
+      ok(launch_scatter<uint4>(s, d_table, static_cast<const int32_t*>(d_pos),
+                               static_cast<const int32_t*>(d_fill), d_out, N, K,
+                               static_cast<int64_t>(fill.size()), C, H * 2)) &&
+      ok(cudaStreamSynchronize(s)) &&
+      ok(cudaMemcpy(table.data(), d_table, N * H * 2, cudaMemcpyDeviceToHost)) &&
+      ok(cudaMemcpy(out.data(), d_out, C * H * 2, cudaMemcpyDeviceToHost))) {
+    wrong = 0;
+    std::vector<bool> filled(C, false);
+    for (size_t f = 0; f < n_fill; ++f) filled[fill[f]] = true;
+    for (int64_t r = 0; r < C; ++r) {
+      for (int64_t j = 0; j < H; ++j) {
+        const uint16_t got = out[r * H + j];
+        if (owner[r] >= 0) wrong += got != table[owner[r] * H + j];
+        else wrong += got != (filled[r] ? 0 : 0xffff);
+      }
+    }
+  }
+  for (void* p : {d_pos, d_fill, d_out}) {
+    if (p) cudaFree(p);
+  }
+  return wrong;
+}
+
 // The kernels on malformed indices (every int32 extreme, negative, past the table), outside XLA,
 // so that compute-sanitizer can watch them without a JAX process: a gather of 7392-byte rows
 // (16-byte path), of 3-byte rows (byte path) and a weighted bf16 sum into float32. Returns the
 // number of wrong output values (defined rows against the table, zero rows), or -1 when CUDA
-// fails.
+// fails. Then the scatter (scatter_selftest).
 int64_t selftest() {
   const int64_t N = 64, M = 300, K = 8, H = 3696;  // 7392-byte rows = H bf16
   std::vector<int32_t> idx(M), idx2(M * K);
@@ -440,6 +592,10 @@ int64_t selftest() {
       }
     }
   }
+  if (wrong >= 0) {
+    const int64_t w2 = scatter_selftest(s, d_table, N, H, next);
+    wrong = w2 < 0 ? -1 : wrong + w2;
+  }
   for (void* p : {d_table, d_out, d_idx, d_idx2, d_w, static_cast<void*>(d_sum)}) {
     if (p) cudaFree(p);
   }
@@ -466,6 +622,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGather, Gather,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // idx (M,)
                                   .Ret<ffi::AnyBuffer>());       // out (M, ...)
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatter, Scatter,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // table (N, ...)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
+                                  .Ret<ffi::AnyBuffer>());       // out (M, ...)
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -478,5 +642,6 @@ void* gather_handler() { return reinterpret_cast<void*>(kGather); }
 void* gather_sum_handler() { return reinterpret_cast<void*>(kGatherSum); }
 void* empty_handler() { return reinterpret_cast<void*>(kEmpty); }
 void* gather_dequant_handler() { return reinterpret_cast<void*>(kGatherDequant); }
+void* scatter_handler() { return reinterpret_cast<void*>(kScatter); }
 
 }  // namespace ep_comm::rows

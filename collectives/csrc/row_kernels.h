@@ -9,6 +9,7 @@ void* gather_handler();      // XLA FFI handler ep_comm_rows_gather
 void* gather_sum_handler();  // XLA FFI handler ep_comm_rows_gather_sum
 void* empty_handler();       // XLA FFI handler ep_comm_rows_empty
 void* gather_dequant_handler();  // XLA FFI handler ep_comm_rows_gather_dequant
+void* scatter_handler();     // XLA FFI handler ep_comm_rows_scatter
 int64_t selftest();          // the kernels on malformed indices outside XLA: wrong values, or -1
 
 }  // namespace ep_comm::rows
