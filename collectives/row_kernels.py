@@ -1,9 +1,9 @@
 """The row kernels of dispatch and combine: the gathers that move token rows by index.
 
-Five primitives, each lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
+Each primitive here is lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
 ``_ep_rows``) on GPUs where it is built, and to XLA everywhere else (:func:`_primitive` defines
 that choice once); the XLA lowering is the reference the kernels equal
-(``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, to float32
+(``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, scatter and counting sort, to float32
 reassociation for :func:`gather_sum`).
 
 - :func:`gather`: ``out[i] = table[idx[i]]``, rows of any dtype (FP8 rows as bytes too). A row
@@ -16,6 +16,8 @@ reassociation for :func:`gather_sum`).
   the table holds NaN), written once in the requested dtype.
 - :func:`scatter`: ``out[pos[n, k]] = table[n]``, each table row read once and written to its
   destinations (dispatch's expand), chosen rows zeroed, the others unspecified as :func:`gather`'s.
+- :func:`rank_by_key`: a stable counting sort of integer keys (dispatch's expert-major layout),
+  :func:`key_counts` and :func:`key_ranks` its two kernels.
 - :func:`gather_dequant`: :func:`gather` of FP8 wire rows and their dequantization in one pass
   (dispatch's receive side with ``EPConfig(wire_format=...)``).
 
@@ -227,6 +229,99 @@ scatter_p = _primitive("ep_comm_rows_scatter", _scatter_reference,
                        ("rows", "kernel"))
 ad.primitive_jvps[scatter_p] = _scatter_jvp
 ad.primitive_transposes[scatter_p] = _scatter_transpose
+
+
+# --- rank_by_key (a stable counting sort) ---------------------------------------------------------
+
+RANK_CHUNK = 256      # entries per chunk of the counting sort (the kernels' kRankChunk)
+MAX_RANK_KEYS = 12288  # keys whose running counts fit a block's shared memory (the kernels')
+
+
+def rank_by_key(key, num_keys: int):
+    """A stable counting sort of integer keys in ``[0, num_keys)`` (others count as
+    ``num_keys - 1``): ``(rank, order, counts)``, ``rank[i]`` entry ``i``'s position in the order
+    sorted by key then ``i``, ``order`` its inverse (``order[rank[i]] = i``), ``counts[k]`` the
+    entries with key ``k``. ``key``: ``(M,)`` integer.
+
+    Two passes instead of a radix sort (dispatch's expert-major layout): per chunk of
+    :data:`RANK_CHUNK` entries, the count of each key (:func:`key_counts`); their scans over
+    chunks and keys give each chunk's first position per key; then each entry's rank
+    (:func:`key_ranks`: one warp per chunk on GPUs, lanes with equal keys ranked together)."""
+    key = jnp.asarray(key)
+    if key.ndim != 1 or not jnp.issubdtype(key.dtype, jnp.integer):
+        raise ValueError(f"row_kernels.rank_by_key: key must be a 1-D integer array, got "
+                         f"{key.dtype} {tuple(key.shape)}")
+    if not 1 <= int(num_keys) <= np.iinfo(np.int32).max:
+        raise ValueError(f"row_kernels.rank_by_key: num_keys must be >= 1, got {num_keys}")
+    counts = key_counts(key, num_keys)
+    totals = jnp.sum(counts, axis=0, dtype=jnp.int32)
+    base = ((jnp.cumsum(totals, dtype=jnp.int32) - totals)[None, :]
+            + jnp.cumsum(counts, axis=0, dtype=jnp.int32) - counts)
+    rank, order = key_ranks(key, base)
+    return rank, order, totals
+
+
+def key_counts(key, num_keys: int):
+    """``(ceil(M / RANK_CHUNK), num_keys)`` int32: entries of each chunk of ``key`` ``(M,)`` with
+    each key (a key outside ``[0, num_keys)`` counts as ``num_keys - 1``)."""
+    key = jnp.asarray(key).astype(jnp.int32)
+    return key_count_p.bind(key, num_keys=int(num_keys), kernel=_want_kernels())
+
+
+def key_ranks(key, base):
+    """``(rank, order)``: ``rank[i] = base[c, k] +`` the entries of chunk ``c`` (entry ``i``'s)
+    before ``i`` with its key ``k``; ``order[rank[i]] = i`` where ``rank[i]`` is in ``[0, M)``,
+    positions no rank names unspecified. ``base``: ``(ceil(M / RANK_CHUNK), num_keys)``."""
+    key = jnp.asarray(key).astype(jnp.int32)
+    base = jnp.asarray(base).astype(jnp.int32)
+    chunks = -(-key.shape[0] // RANK_CHUNK)
+    if key.ndim != 1 or base.ndim != 2 or base.shape[0] != chunks or base.shape[1] < 1:
+        raise ValueError(f"row_kernels.key_ranks: key must be 1-D and base (ceil(M / "
+                         f"{RANK_CHUNK}), num_keys), got key {tuple(key.shape)} and base "
+                         f"{tuple(base.shape)}")
+    key, base = _same_vma(key, base)
+    out = key_rank_p.bind(key, base, kernel=_want_kernels())
+    return out[0], out[1]
+
+
+def _chunk_and_key(key, num_keys):
+    ok = (key >= 0) & (key < num_keys)
+    return (jnp.arange(key.shape[0], dtype=jnp.int32) // RANK_CHUNK,
+            jnp.where(ok, key, num_keys - 1))
+
+
+def _key_count_reference(key, *, num_keys, kernel=None):
+    del kernel
+    chunk, k = _chunk_and_key(key, num_keys)
+    chunks = -(-key.shape[0] // RANK_CHUNK)
+    return jnp.zeros((chunks, num_keys), jnp.int32).at[chunk, k].add(1)
+
+
+def _key_rank_reference(key, base, *, kernel=None):
+    del kernel
+    (chunks, num_keys), M = base.shape, key.shape[0]
+    chunk, k = _chunk_and_key(key, num_keys)
+    cell = chunk * num_keys + k  # entries of one (chunk, key) cell, in order
+    order = jnp.argsort(cell, stable=True).astype(jnp.int32)
+    i = jnp.arange(M, dtype=jnp.int32)
+    position = jnp.zeros((M,), jnp.int32).at[order].set(i, unique_indices=True)
+    per_cell = jnp.bincount(cell, length=chunks * num_keys).astype(jnp.int32)
+    rank = base[chunk, k] + position - (jnp.cumsum(per_cell) - per_cell)[cell]
+    inverse = jnp.full((M,), _poison(jnp.int32)).at[jnp.where((rank >= 0) & (rank < M), rank, M)
+                                                     ].set(i, mode="drop")
+    return jnp.stack([rank, inverse])
+
+
+key_count_p = _primitive(
+    "ep_comm_rows_key_count", _key_count_reference,
+    lambda key, *, num_keys, kernel: key.update(
+        shape=(-(-key.shape[0] // RANK_CHUNK), num_keys), dtype=jnp.int32, weak_type=False),
+    ("num_keys", "kernel"), kernel_fits=lambda ctx, *, num_keys, kernel: num_keys <= MAX_RANK_KEYS)
+key_rank_p = _primitive(
+    "ep_comm_rows_key_rank", _key_rank_reference,
+    lambda key, base, *, kernel: key.update(shape=(2, key.shape[0]), dtype=jnp.int32,
+                                            weak_type=False),
+    ("kernel",), kernel_fits=lambda ctx, *, kernel: ctx.avals_in[1].shape[1] <= MAX_RANK_KEYS)
 
 
 # --- gather_sum -----------------------------------------------------------------------------------

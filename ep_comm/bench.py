@@ -23,7 +23,10 @@ Ceilings and overheads (GPU): ``copy`` is the time over one ``cudaMemcpyAsync`` 
 compulsory bytes, timed in the same run, both pipelined (dispatch reads ``T * H`` elements and writes one row per
 received (token, expert) pair, combine the reverse; the busiest rank's count); with ``--profile DIR``
 ``kern`` is the GPU kernel time per call summed from a JAX profiler trace and ``wall/kern`` the
-pipelined time over it (what is not kernel time: launch gaps, host work, waits). With ``--wire-formats``, ``q`` rows time dispatch with
+pipelined time over it (what is not kernel time: launch gaps, host work, waits); for dispatch
+``prog`` is its time inside a jitted program of 20 dispatches (:func:`in_program`: a model step's
+view, without the per-call jit dispatch and handle outputs a standalone call pays on the host) and
+``prog/kern`` that time over the kernel time per dispatch in the same program's trace. With ``--wire-formats``, ``q`` rows time dispatch with
 ``return_quantized=True`` (FP8 values and scales for an FP8 grouped GEMM, no dequantize).
 
 Plans: ``--topology 2x4 --plans flat,hierarchical`` runs both exchange plans on a (simulated)
@@ -133,6 +136,22 @@ def kernel_us(fn, args, folder, calls: int = 5) -> tuple[float, list]:
     return sum(k["dur"] for k in kernels) / calls, top
 
 
+def in_program(cfg, mesh, calls: int):
+    """``calls`` dispatches in one jitted program (as inside a model step: no per-call jit dispatch,
+    no handle crossing the program's boundary), each call's expert ids bounded by a value the
+    previous call computed (an identity bound, so XLA cannot hoist any of the work out of the loop).
+    Its time over ``calls`` is a dispatch's time inside a program."""
+    E = cfg.num_experts
+
+    def body(x, ids, w):
+        def step(_, bound):
+            ex, h = ep_comm.dispatch(x, jnp.minimum(ids, bound), w, cfg)
+            return jnp.maximum(jnp.sum(h.group_sizes), E) + (ex[0, 0] == 1e30).astype(jnp.int32)
+        return lax.fori_loop(0, calls, step, jnp.max(ids) * 0 + E)[None]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
 def _copy_ceiling_us(nbytes: int, warmup: int, iters: int) -> float | None:
     """Pipelined time (:func:`collectives.timing.pipelined_us`) of one device copy of ``nbytes``
     bytes read and written in all (GPU with the engine built), else None."""
@@ -193,6 +212,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     topo = topo or topology.simulated(1, n)
     model = cost_model or topology.CostModel()
     net = topology.LINK_CLASSES.index("network")
+    host_floor = None
     for backend, plan, wire_format in ((b, p, f) for b in backends or usable for p in plans
                                        for f in wire_formats):
         row_d, row_c = topology.row_bytes(H, dtype, K, wire_format=wire_format)
@@ -203,6 +223,11 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         comb = smap(ep_comm.combine)
         ex, h = disp(xs, idss, ws)
         y = comb(ex, h)
+        if host_floor is None:  # a call returning as many arrays as dispatch, no device work
+            outputs = len(jax.tree.leaves((ex, h)))
+            host_floor = (outputs, pipelined_us(
+                jax.jit(lambda a: tuple(a + i for i in range(outputs))),
+                (jnp.zeros((8,), jnp.float32),), warmup, iters))
         phases = [("dispatch", disp, (xs, idss, ws)), ("combine", comb, (ex, h))]
         if wire_format is not None:
             disp_q = smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg, return_quantized=True))
@@ -237,6 +262,14 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
             if kern[0] > 0:  # GPU kernels in the trace (none on CPU)
                 extra.update(kernel_us=kern[0], wall_over_kernel=piped / kern[0],
                              top_kernels=kern[1])
+            if profile and phase == "dispatch":
+                calls = 20
+                prog = in_program(cfg, mesh, calls)
+                extra.update(in_program_us=median_us(prog, fargs, 1, 5) / calls)
+                prog_kern = kernel_us(prog, fargs, trace_dir + "_in_program", calls=1)[0] / calls
+                if prog_kern > 0:
+                    extra.update(in_program_kernel_us=prog_kern,
+                                 in_program_over_kernel=extra["in_program_us"] / prog_kern)
             results.append(dict(phase=phase, time_us=t, wire=(wire, wire_c)[i],
                                 network_bytes_max=float(sent[:, i, net].max()),
                                 network_bytes_total=float(sent[:, i, net].sum()),
@@ -266,6 +299,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         r["pad"] = r["wire"] / r["payload"]
     return dict(config=dataclasses.asdict(bc), ranks=n, hardware=hardware(), warmup=warmup,
                 copy_ceiling_us=copy_us, compulsory_bytes=compulsory,
+                host_floor=dict(outputs=host_floor[0], pipelined_us=host_floor[1])
+                if host_floor else None,
                 iters=iters, topology=f"{topo.num_nodes}x{topo.gpus_per_node} ({topo.source})",
                 cost_model=dataclasses.asdict(model), results=results)
 
@@ -279,9 +314,14 @@ def table(report) -> str:
             f"rank's token bytes; wire = bytes each rank sends; buffers = memory per rank\n"
             f"# topology {report['topology']}; net = network bytes of the busiest rank (counted "
             f"by dispatch); model = the cost model's prediction for this routing (us)\n")
+    if report.get("host_floor"):
+        f = report["host_floor"]
+        head += (f"# host floor: a jitted call with dispatch's {f['outputs']} outputs and no device "
+                 f"work takes {f['pipelined_us']:.1f} us pipelined here\n")
     cols = f"{'impl':<23}{'plan':<13}{'phase':<11}{'time(us)':>11}{'algbw':>8}{'busbw':>8}" \
            f"{'#wrong':>9}{'dropped':>8}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}" \
-           f"{'net':>11}{'model':>9}{'pipe(us)':>10}{'copy':>7}{'kern(us)':>10}{'wall/kern':>10}"
+           f"{'net':>11}{'model':>9}{'pipe(us)':>10}{'copy':>7}{'kern(us)':>10}{'wall/kern':>10}" \
+           f"{'prog(us)':>10}{'prog/kern':>10}"
     lines = [head + cols]
     for r in report["results"]:
         net = f"{r['network_bytes_max'] / 2**20:>9.2f}MB" if "network_bytes_max" in r else \
@@ -290,7 +330,10 @@ def table(report) -> str:
         over = (f"{r['pipelined_us']:>10.1f}" if "pipelined_us" in r else f"{'-':>10}") + (
             f"{r['x_copy']:>6.2f}x" if "x_copy" in r else f"{'-':>7}") + (
             f"{r['kernel_us']:>10.1f}{r['wall_over_kernel']:>9.2f}x" if "kernel_us" in r
-            else f"{'-':>10}{'-':>10}")
+            else f"{'-':>10}{'-':>10}") + (
+            f"{r['in_program_us']:>10.1f}" if "in_program_us" in r else f"{'-':>10}") + (
+            f"{r['in_program_over_kernel']:>9.2f}x" if "in_program_over_kernel" in r
+            else f"{'-':>10}")
         lines.append(f"{r['impl']:<23}{r['plan']:<13}{r['phase']:<11}{r['time_us']:>11.1f}"
                      f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['wrong']:>9d}"
                      f"{r['dropped']:>8d}{r['payload'] / 2**20:>9.2f}MB"

@@ -68,12 +68,11 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None) -> Exp
     first_slot = jnp.argmax(recv_ids[:, :, None] == recv_ids[:, None, :], axis=2)  # (R, K)
     repeat = first_slot != jnp.arange(K)[None, :]
     key = jnp.where(has_expert & ~repeat, recv_ids, L).reshape(-1)  # (R*K,)
-    order = jnp.argsort(key, stable=True).astype(i32)
-    per_expert = jnp.bincount(key, length=L + 1)[:L].astype(i32)
+    # a counting sort (histogram and scans; no radix sort): inverse[i] is pair i's position
+    inverse, order, per_key = row_kernels.rank_by_key(key, L + 1)
+    per_expert = per_key[:L]
     num_pairs = jnp.sum(per_expert)
     group_sizes = jnp.clip(C - exclusive_cumsum(per_expert), 0, per_expert)
-    inverse = jnp.zeros((R * K,), i32).at[order].set(jnp.arange(R * K, dtype=i32),
-                                                       unique_indices=True)
     pos_first = jnp.where((key < L) & (inverse < C), inverse, C).reshape(R, K)
     recv_pos = jnp.where(has_expert, jnp.take_along_axis(pos_first, first_slot, axis=1), C)
     q = jnp.arange(C, dtype=i32)

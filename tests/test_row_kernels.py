@@ -2,7 +2,7 @@
 
 Everywhere: the XLA lowering's contract (zero and unspecified rows, masked slots, dtypes), its
 transform rules and errors. On a GPU with the kernels built: each kernel against the XLA lowering
-(``row_kernels.xla_only``), bitwise for the gathers and to float32 reassociation for the sums, on
+(``row_kernels.xla_only``), bitwise for the gathers, scatter and counting sort, and to float32 reassociation for the sums, on
 malformed indices too (``compute-sanitizer`` runs this file in ``scripts/gpu_check.sh``), and the
 receive side of dispatch and combine on buffers built as if they came from 2, 4, 8 and 64 ranks,
 both plans: the multi-rank index math with the kernels moving the rows, on one GPU.
@@ -140,6 +140,37 @@ def test_scatter_rows_fill_and_unspecified():
         row_kernels.scatter(table, pos, fill, -1)
 
 
+def _stable_ranks(key, num_keys):
+    k = np.where((key >= 0) & (key < num_keys), key, num_keys - 1)
+    order = np.argsort(k, kind="stable")
+    rank = np.empty(len(key), np.int64)
+    rank[order] = np.arange(len(key))
+    return rank, order, np.bincount(k, minlength=num_keys)
+
+
+@pytest.mark.parametrize("M,num_keys", [(0, 3), (1, 1), (255, 5), (256, 5), (1000, 37),
+                                        (3 * row_kernels.RANK_CHUNK + 7, 257)])
+def test_rank_by_key_is_a_stable_counting_sort(M, num_keys):
+    rng = np.random.default_rng(M + num_keys)
+    key = rng.integers(-3, num_keys + 3, M).astype(np.int32)  # some outside: the last key
+    key[: min(M, 2)] = [2 ** 31 - 1, -2 ** 31][: min(M, 2)]
+    rank, order, counts = jax.jit(row_kernels.rank_by_key, static_argnums=1)(key, num_keys)
+    want = _stable_ranks(key, num_keys)
+    for got, w in zip((rank, order, counts), want):
+        np.testing.assert_array_equal(np.asarray(got), w)
+    batched = jax.vmap(lambda k: row_kernels.rank_by_key(k, num_keys)[0])(np.stack([key, key[::-1]]))
+    np.testing.assert_array_equal(np.asarray(batched[1]), _stable_ranks(key[::-1], num_keys)[0])
+    with pytest.raises(ValueError, match=r"row_kernels.rank_by_key: key must be a 1-D integer "
+                                         r"array, got float32 \(2, 2\)"):
+        row_kernels.rank_by_key(jnp.zeros((2, 2)), 3)
+    with pytest.raises(ValueError, match=r"row_kernels.rank_by_key: num_keys must be >= 1, got 0"):
+        row_kernels.rank_by_key(key, 0)
+    with pytest.raises(ValueError, match=r"row_kernels.key_ranks: key must be 1-D and base "
+                                         r"\(ceil\(M / 256\), num_keys\), got key \(300,\) "
+                                         r"and base \(1, 4\)"):
+        row_kernels.key_ranks(jnp.zeros((300,), jnp.int32), jnp.zeros((1, 4), jnp.int32))
+
+
 def test_expert_x_zero_fill_option():
     """``EPConfig(zero_fill=True)``: every row past the groups is zero (the default leaves all
     but the first ZERO_TAIL_ROWS unspecified)."""
@@ -197,6 +228,24 @@ def test_scatter_kernel_bitwise(dtype, width):
                       jnp.asarray(pos, jnp.int32), jnp.asarray(fill, jnp.int32))
     defined = np.isin(np.arange(C), np.concatenate([pos[~bad], fill[:40]]))
     np.testing.assert_array_equal(np.asarray(got)[defined], np.asarray(want)[defined])
+
+
+@gpu_only
+@pytest.mark.parametrize("M,num_keys", [(1, 1), (1000, 37), (8 * 32768, 33), (32768, 257),
+                                        (40000, row_kernels.MAX_RANK_KEYS)])
+def test_rank_kernels_bitwise(M, num_keys):
+    rng = np.random.default_rng(M)
+    key = jnp.asarray(rng.integers(-2, num_keys + 2, M), jnp.int32)
+    got, want = _both(lambda k: row_kernels.rank_by_key(k, num_keys), key)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got[0]), _stable_ranks(np.asarray(key), num_keys)[0])
+    # a malformed base (ranks outside [0, M), repeated): the ranks still equal, nothing else read
+    chunks = -(-M // row_kernels.RANK_CHUNK)
+    base = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31 - 1, (chunks, num_keys)) >> rng.integers(
+        0, 31, (chunks, num_keys)), jnp.int32)
+    got, want = _both(lambda k, b: row_kernels.key_ranks(k, b)[0], key, base)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @gpu_only

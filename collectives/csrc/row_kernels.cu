@@ -15,6 +15,11 @@
 //   ep_comm_rows_gather_dequant  gather FP8 rows (values, then block scales) and dequantize them
 //                            in the same pass (the FP8 wire's receive side); rows as gather's.
 //   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
+//   ep_comm_rows_key_count   counts[c, k]: entries of chunk c (kRankChunk entries each) with key k
+//                            (a key outside [0, num_keys) counts as num_keys - 1).
+//   ep_comm_rows_key_rank    rank[i] = base[c, k] + the entries before i in chunk c with key k,
+//                            order[rank[i]] = i: with base from the counts' scans, a stable
+//                            counting sort (dispatch's expert-major layout, no radix sort).
 //
 // Both read every index on the device (no host round trip) and never read or write outside their
 // buffers whatever the indices hold. Handlers return ffi::Error; nothing throws across the C ABI.
@@ -233,6 +238,128 @@ ffi::Error Scatter(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S
   } else {
     e = launch_scatter<uint8_t>(stream, t, p, f, o, n, K, n_fill, m, row_bytes);
   }
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+// ---- key_count / key_rank: a stable counting sort in two passes -----------------------------------
+// Entries are cut into chunks of kRankChunk. key_count: per chunk, how many entries hold each key.
+// The caller scans those counts (XLA: a cumsum over chunks and over keys) into base[c, k], the
+// sorted position of chunk c's first entry with key k. key_rank: one warp per chunk walks its
+// entries in order, 32 at a time; lanes with equal keys find each other (__match_any_sync), so an
+// entry's rank is its key's running position plus its peers on lower lanes: stable, no atomics.
+// A key outside [0, num_keys) counts as num_keys - 1. Nothing is read or written outside the
+// buffers whatever key and base hold (a rank outside [0, M) writes no order entry).
+
+constexpr int kRankChunk = 256;
+
+__device__ __forceinline__ int32_t clamp_key(int32_t k, int32_t num_keys) {
+  return k >= 0 && k < num_keys ? k : num_keys - 1;
+}
+
+__global__ void __launch_bounds__(kThreads)
+key_count_kernel(const int32_t* __restrict__ key, int32_t* __restrict__ counts, int64_t m,
+                 int32_t num_keys) {
+  extern __shared__ int32_t hist[];
+  for (int32_t k = threadIdx.x; k < num_keys; k += blockDim.x) hist[k] = 0;
+  __syncthreads();
+  const int64_t first = int64_t{blockIdx.x} * kRankChunk;
+  for (int j = threadIdx.x; j < kRankChunk; j += blockDim.x) {
+    if (first + j < m) atomicAdd(&hist[clamp_key(key[first + j], num_keys)], 1);
+  }
+  __syncthreads();
+  int32_t* row = counts + int64_t{blockIdx.x} * num_keys;
+  for (int32_t k = threadIdx.x; k < num_keys; k += blockDim.x) row[k] = hist[k];
+}
+
+__global__ void __launch_bounds__(32)
+key_rank_kernel(const int32_t* __restrict__ key, const int32_t* __restrict__ base,
+                int32_t* __restrict__ rank, int32_t* __restrict__ order, int64_t m,
+                int32_t num_keys) {
+  extern __shared__ int32_t next_pos[];
+  const int lane = threadIdx.x;
+  const int32_t* row = base + int64_t{blockIdx.x} * num_keys;
+  for (int32_t k = lane; k < num_keys; k += 32) next_pos[k] = row[k];
+  __syncwarp();
+  const unsigned below = (1u << lane) - 1u;
+  const int64_t first = int64_t{blockIdx.x} * kRankChunk;
+  for (int step = 0; step < kRankChunk; step += 32) {
+    const int64_t i = first + step + lane;
+    const bool valid = i < m;
+    const int32_t k = valid ? clamp_key(key[i], num_keys) : num_keys;  // num_keys: no entry
+    const unsigned peers = __match_any_sync(0xffffffffu, k);
+    // (unsigned: a malformed base wraps instead of overflowing, as the XLA reference's int32)
+    int32_t r = 0;
+    if (valid) r = static_cast<int32_t>(static_cast<uint32_t>(next_pos[k]) + __popc(peers & below));
+    __syncwarp();
+    if (valid && lane == __ffs(peers) - 1) {
+      next_pos[k] = static_cast<int32_t>(static_cast<uint32_t>(next_pos[k]) + __popc(peers));
+    }
+    __syncwarp();
+    if (valid) {
+      rank[i] = r;
+      if (r >= 0 && r < m) order[r] = static_cast<int32_t>(i);
+    }
+  }
+}
+
+cudaError_t launch_key_count(cudaStream_t s, const int32_t* key, int32_t* counts, int64_t m,
+                             int32_t num_keys) {
+  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  if (chunks == 0) return cudaSuccess;
+  key_count_kernel<<<static_cast<unsigned>(chunks), kThreads, num_keys * sizeof(int32_t), s>>>(
+      key, counts, m, num_keys);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_key_rank(cudaStream_t s, const int32_t* key, const int32_t* base,
+                            int32_t* rank, int32_t* order, int64_t m, int32_t num_keys) {
+  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  if (chunks == 0) return cudaSuccess;
+  key_rank_kernel<<<static_cast<unsigned>(chunks), 32, num_keys * sizeof(int32_t), s>>>(
+      key, base, rank, order, m, num_keys);
+  return cudaGetLastError();
+}
+
+// Keys whose running counts fit a block's shared memory (48 KiB without opting in).
+constexpr int64_t kMaxRankKeys = 48 * 1024 / sizeof(int32_t);
+
+ffi::Error KeyCount(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
+                    ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+  const std::string where = "ep_comm rows key_count: ";
+  const int64_t m = key.element_count();
+  const auto dims = counts->dimensions();
+  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  if (key.dimensions().size() != 1 || dims.size() != 2 || dims[0] != chunks || dims[1] < 1 ||
+      dims[1] > kMaxRankKeys) {
+    return ffi::Error::InvalidArgument(
+        where + "key must be 1-D and counts (ceil(M / " + std::to_string(kRankChunk) +
+        "), num_keys) with 1 <= num_keys <= " + std::to_string(kMaxRankKeys) + " for M = " +
+        std::to_string(m));
+  }
+  const cudaError_t e = launch_key_count(stream, key.typed_data(), counts->typed_data(), m,
+                                         static_cast<int32_t>(dims[1]));
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error KeyRank(cudaStream_t stream, ffi::Buffer<ffi::S32> key, ffi::Buffer<ffi::S32> base,
+                   ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  const std::string where = "ep_comm rows key_rank: ";
+  const int64_t m = key.element_count();
+  const auto bdims = base.dimensions();
+  const auto odims = out->dimensions();
+  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  if (key.dimensions().size() != 1 || bdims.size() != 2 || bdims[0] != chunks || bdims[1] < 1 ||
+      bdims[1] > kMaxRankKeys || odims.size() != 2 || odims[0] != 2 || odims[1] != m) {
+    return ffi::Error::InvalidArgument(
+        where + "key must be 1-D, base (ceil(M / " + std::to_string(kRankChunk) +
+        "), num_keys) with 1 <= num_keys <= " + std::to_string(kMaxRankKeys) +
+        " and the result (2, M) for M = " + std::to_string(m));
+  }
+  int32_t* o = out->typed_data();
+  const cudaError_t e = launch_key_rank(stream, key.typed_data(), base.typed_data(), o, o + m, m,
+                                        static_cast<int32_t>(bdims[1]));
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
 }
@@ -524,11 +651,76 @@ int64_t scatter_selftest(cudaStream_t s, const void* d_table, int64_t N, int64_t
   return wrong;
 }
 
+// The counting sort on keys outside [0, num_keys) (every int32 extreme) and a partial last chunk,
+// against a stable sort on the host; then key_rank once more on a malformed base (ranks outside
+// [0, M), repeated ranks) for the sanitizer to watch. Returns the wrong values, or -1.
+template <typename Next>
+int64_t rank_selftest(cudaStream_t s, Next& next) {
+  const int64_t M = 3 * kRankChunk + 77;
+  const int32_t NK = 37;
+  const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, NK, NK + 5};
+  std::vector<int32_t> key(M), clamped(M);
+  for (int64_t i = 0; i < M; ++i) {
+    key[i] = next() % 7 ? static_cast<int32_t>(next() % NK) : odd[next() % 5];
+    clamped[i] = key[i] >= 0 && key[i] < NK ? key[i] : NK - 1;
+  }
+  const int64_t chunks = (M + kRankChunk - 1) / kRankChunk;
+  std::vector<int32_t> counts(chunks * NK), base(chunks * NK), out(2 * M);
+  void *d_key = nullptr, *d_counts = nullptr, *d_base = nullptr, *d_out = nullptr;
+  auto ok = [](cudaError_t e) { return e == cudaSuccess; };
+  int64_t wrong = -1;
+  if (ok(cudaMalloc(&d_key, M * 4)) && ok(cudaMalloc(&d_counts, chunks * NK * 4)) &&
+      ok(cudaMalloc(&d_base, chunks * NK * 4)) && ok(cudaMalloc(&d_out, 2 * M * 4)) &&
+      ok(cudaMemcpy(d_key, key.data(), M * 4, cudaMemcpyHostToDevice)) &&
+      ok(launch_key_count(s, static_cast<const int32_t*>(d_key), static_cast<int32_t*>(d_counts),
+                          M, NK)) &&
+      ok(cudaStreamSynchronize(s)) &&
+      ok(cudaMemcpy(counts.data(), d_counts, chunks * NK * 4, cudaMemcpyDeviceToHost))) {
+    int32_t start = 0;  // base[c, k]: entries with a smaller key, then those of key k before c
+    for (int32_t k = 0; k < NK; ++k) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        base[c * NK + k] = start;
+        start += counts[c * NK + k];
+      }
+    }
+    int32_t* r = static_cast<int32_t*>(d_out);
+    if (ok(cudaMemcpy(d_base, base.data(), chunks * NK * 4, cudaMemcpyHostToDevice)) &&
+        ok(launch_key_rank(s, static_cast<const int32_t*>(d_key),
+                           static_cast<const int32_t*>(d_base), r, r + M, M, NK)) &&
+        ok(cudaStreamSynchronize(s)) &&
+        ok(cudaMemcpy(out.data(), d_out, 2 * M * 4, cudaMemcpyDeviceToHost))) {
+      std::vector<int32_t> want(M);
+      int32_t at = 0;
+      for (int32_t k = 0; k < NK; ++k) {
+        for (int64_t i = 0; i < M; ++i) {
+          if (clamped[i] == k) want[i] = at++;
+        }
+      }
+      wrong = 0;
+      for (int64_t i = 0; i < M; ++i) {
+        wrong += out[i] != want[i];
+        wrong += out[M + want[i]] != i;
+      }
+      for (auto& b : base) b = static_cast<int32_t>(next()) >> (next() % 31);  // malformed
+      const bool ran =
+          ok(cudaMemcpy(d_base, base.data(), chunks * NK * 4, cudaMemcpyHostToDevice)) &&
+          ok(launch_key_rank(s, static_cast<const int32_t*>(d_key),
+                             static_cast<const int32_t*>(d_base), r, r + M, M, NK)) &&
+          ok(cudaStreamSynchronize(s));
+      if (!ran) wrong = -1;
+    }
+  }
+  for (void* p : {d_key, d_counts, d_base, d_out}) {
+    if (p) cudaFree(p);
+  }
+  return wrong;
+}
+
 // The kernels on malformed indices (every int32 extreme, negative, past the table), outside XLA,
 // so that compute-sanitizer can watch them without a JAX process: a gather of 7392-byte rows
 // (16-byte path), of 3-byte rows (byte path) and a weighted bf16 sum into float32. Returns the
 // number of wrong output values (defined rows against the table, zero rows), or -1 when CUDA
-// fails. Then the scatter (scatter_selftest).
+// fails. Then the scatter (scatter_selftest) and the counting sort (rank_selftest).
 int64_t selftest() {
   const int64_t N = 64, M = 300, K = 8, H = 3696;  // 7392-byte rows = H bf16
   std::vector<int32_t> idx(M), idx2(M * K);
@@ -594,7 +786,8 @@ int64_t selftest() {
   }
   if (wrong >= 0) {
     const int64_t w2 = scatter_selftest(s, d_table, N, H, next);
-    wrong = w2 < 0 ? -1 : wrong + w2;
+    const int64_t w3 = w2 < 0 ? -1 : rank_selftest(s, next);
+    wrong = w2 < 0 || w3 < 0 ? -1 : wrong + w2 + w3;
   }
   for (void* p : {d_table, d_out, d_idx, d_idx2, d_w, static_cast<void*>(d_sum)}) {
     if (p) cudaFree(p);
@@ -630,6 +823,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatter, Scatter,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
                                   .Ret<ffi::AnyBuffer>());       // out (M, ...)
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kKeyCount, KeyCount,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // key (M,)
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // counts (chunks, num_keys)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kKeyRank, KeyRank,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // key (M,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // base (chunks, num_keys)
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // (rank, order) (2, M)
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -643,5 +849,7 @@ void* gather_sum_handler() { return reinterpret_cast<void*>(kGatherSum); }
 void* empty_handler() { return reinterpret_cast<void*>(kEmpty); }
 void* gather_dequant_handler() { return reinterpret_cast<void*>(kGatherDequant); }
 void* scatter_handler() { return reinterpret_cast<void*>(kScatter); }
+void* key_count_handler() { return reinterpret_cast<void*>(kKeyCount); }
+void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }
 
 }  // namespace ep_comm::rows

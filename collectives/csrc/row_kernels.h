@@ -10,6 +10,8 @@ void* gather_sum_handler();  // XLA FFI handler ep_comm_rows_gather_sum
 void* empty_handler();       // XLA FFI handler ep_comm_rows_empty
 void* gather_dequant_handler();  // XLA FFI handler ep_comm_rows_gather_dequant
 void* scatter_handler();     // XLA FFI handler ep_comm_rows_scatter
+void* key_count_handler();   // XLA FFI handler ep_comm_rows_key_count
+void* key_rank_handler();    // XLA FFI handler ep_comm_rows_key_rank
 int64_t selftest();          // the kernels on malformed indices outside XLA: wrong values, or -1
 
 }  // namespace ep_comm::rows
