@@ -122,7 +122,7 @@ def register_targets(name: str) -> None:
         if name == "mpi":
             jax.ffi.register_ffi_target("ep_comm_mpi_exchange", mod.handler(), platform="cpu")
         elif name == "rows":
-            for op in ("gather", "gather_sum", "empty", "gather_dequant", "scatter", "key_count",
+            for op in ("gather", "gather_sum", "empty", "scatter_dequant", "scatter", "key_count",
                        "key_rank"):
                 jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),
                                             platform="CUDA")

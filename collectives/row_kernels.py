@@ -18,7 +18,7 @@ reassociation for :func:`gather_sum`).
   destinations (dispatch's expand), chosen rows zeroed, the others unspecified as :func:`gather`'s.
 - :func:`rank_by_key`: a stable counting sort of integer keys (dispatch's expert-major layout),
   :func:`key_counts` and :func:`key_ranks` its two kernels.
-- :func:`gather_dequant`: :func:`gather` of FP8 wire rows and their dequantization in one pass
+- :func:`scatter_dequant`: :func:`scatter` of FP8 wire rows, each dequantized once on the way
   (dispatch's receive side with ``EPConfig(wire_format=...)``).
 
 And :func:`empty`: a buffer for an exchange to receive into, left uninitialised on GPUs (no
@@ -27,7 +27,7 @@ memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
 ``EP_COMM_ROW_KERNELS=0`` (read when a program is traced) or :func:`xla_only` use the XLA lowering
 on GPUs too, for A/B comparisons. ``gather`` and ``gather_sum`` are linear in the table (and
 ``gather_sum`` in the weights) with jvp and transpose rules (scatter-adds: ``ep_comm.rows`` gives
-dispatch and combine custom VJPs that avoid them); ``gather_dequant`` moves bytes (no gradient);
+dispatch and combine custom VJPs that avoid them); ``scatter_dequant`` moves bytes (no gradient);
 every one with operands batches through its XLA reference.
 """
 
@@ -413,7 +413,7 @@ ad.primitive_jvps[gather_sum_p] = _gather_sum_jvp
 ad.primitive_transposes[gather_sum_p] = _gather_sum_transpose
 
 
-# --- gather_dequant (the FP8 wire's receive side) -------------------------------------------------
+# --- scatter_dequant (the FP8 wire's receive side) ------------------------------------------------
 
 def e8m0_scales(exponents):
     """Float32 ``2 ** (e - 127)`` of E8M0 biased exponents (uint8), NaN for 255 (E8M0's NaN)."""
@@ -444,40 +444,47 @@ def split_fp8_rows(rows, hidden: int, block: int, mx: bool):
     return values, jax.lax.bitcast_convert_type(tail[:, :4 * nb].reshape(M, nb, 4), jnp.float32)
 
 
-def gather_dequant(table, idx, *, hidden: int, block: int, mx: bool, dtype):
-    """FP8 wire rows ``table[idx]`` (uint8 ``(N, row bytes)``, see :func:`split_fp8_rows`)
-    dequantized into ``(M, hidden)`` ``dtype`` in one pass; rows as :func:`gather`'s (negative
-    index: zero, ``>= N``: unspecified). Not differentiable (bytes)."""
+def scatter_dequant(table, pos, fill, rows: int, *, hidden: int, block: int, mx: bool, dtype):
+    """FP8 wire rows (uint8 ``(N, row bytes)``, see :func:`split_fp8_rows`) dequantized into
+    ``(rows, hidden)`` ``dtype`` and placed as :func:`scatter` places rows (row ``pos[n, k]``:
+    ``table[n]`` dequantized; ``fill``: zero; others unspecified), each FP8 row read and
+    dequantized once. Not differentiable (bytes)."""
     table = jnp.asarray(table)
-    idx = jnp.asarray(idx).astype(jnp.int32)
+    pos = jnp.asarray(pos).astype(jnp.int32)
+    fill = jnp.asarray(fill).astype(jnp.int32)
     nb = -(-hidden // block)
     need = hidden + nb * (1 if mx else 4)
-    if table.dtype != jnp.uint8 or table.ndim != 2 or table.shape[1] < need or idx.ndim != 1:
-        raise ValueError(f"row_kernels.gather_dequant: table must be uint8 (N, >= {need}) and idx "
-                         f"1-D, got table {table.dtype} {tuple(table.shape)} and idx "
-                         f"{tuple(idx.shape)}")
-    table, idx = _same_vma(table, idx)
-    return gather_dequant_p.bind(table, idx, hidden=int(hidden), block=int(block), mx=bool(mx),
-                                 dtype=np.dtype(dtype), kernel=_want_kernels())
+    if (table.dtype != jnp.uint8 or table.ndim != 2 or table.shape[1] < need or pos.ndim != 2
+            or pos.shape[0] != table.shape[0] or fill.ndim != 1):
+        raise ValueError(f"row_kernels.scatter_dequant: table must be uint8 (N, >= {need}), pos "
+                         f"(N, K) and fill 1-D, got table {table.dtype} {tuple(table.shape)}, pos "
+                         f"{tuple(pos.shape)} and fill {tuple(fill.shape)}")
+    if int(rows) < 0:
+        raise ValueError(f"row_kernels.scatter_dequant: rows must be >= 0, got {rows}")
+    table, pos, fill = _same_vma(table, pos, fill)
+    return scatter_dequant_p.bind(table, pos, fill, rows=int(rows), hidden=int(hidden),
+                                  block=int(block), mx=bool(mx), dtype=np.dtype(dtype),
+                                  kernel=_want_kernels())
 
 
-def _gather_dequant_reference(table, idx, *, hidden, block, mx, dtype, kernel=None):
-    values, scales = split_fp8_rows(_gather_reference(table, idx), hidden, block, mx)
+def _scatter_dequant_reference(table, pos, fill, *, rows, hidden, block, mx, dtype, kernel=None):
+    raw = _scatter_reference(table, pos, fill, rows=rows)
+    values, scales = split_fp8_rows(raw, hidden, block, mx)
     return dequantize_blocks(values, e8m0_scales(scales) if mx else scales, block, dtype)
 
 
-def _gather_dequant_jvp(primals, tangents, **params):
-    out = gather_dequant_p.bind(*primals, **params)
+def _scatter_dequant_jvp(primals, tangents, **params):
+    out = scatter_dequant_p.bind(*primals, **params)
     return out, ad.Zero.from_primal_value(out)
 
 
-gather_dequant_p = _primitive(
-    "ep_comm_rows_gather_dequant", _gather_dequant_reference,
-    lambda table, idx, *, hidden, block, mx, dtype, kernel: table.update(
-        shape=(idx.shape[0], hidden), dtype=dtype, weak_type=False),
-    ("hidden", "block", "mx", "dtype", "kernel"),
+scatter_dequant_p = _primitive(
+    "ep_comm_rows_scatter_dequant", _scatter_dequant_reference,
+    lambda table, pos, fill, *, rows, hidden, block, mx, dtype, kernel: table.update(
+        shape=(rows, hidden), dtype=dtype, weak_type=False),
+    ("rows", "hidden", "block", "mx", "dtype", "kernel"),
     ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)))
-ad.primitive_jvps[gather_dequant_p] = _gather_dequant_jvp
+ad.primitive_jvps[scatter_dequant_p] = _scatter_dequant_jvp
 
 
 # --- empty ----------------------------------------------------------------------------------------

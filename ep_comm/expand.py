@@ -78,9 +78,6 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None) -> Exp
     q = jnp.arange(C, dtype=i32)
     used = q < jnp.minimum(num_pairs, C)
     expert_token = jnp.where(used, order[jnp.minimum(q, R * K - 1)] // K, R)
-    src_row = jnp.minimum(expert_token, R - 1)
-    if flat_to_buf is not None:
-        src_row = jnp.take(flat_to_buf, src_row)
     if flat_to_buf is not None:  # combine reads the receive buffer in its own (stage-2) order
         buf_rows = jnp.where(received, flat_to_buf, R)
         recv_pos = jnp.full((R, K), C, i32).at[buf_rows].set(recv_pos, mode="drop")
@@ -88,18 +85,17 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None) -> Exp
     # rows past the groups: zero (config.zero_fill, or the first ZERO_TAIL_ROWS of them), else
     # unspecified
     filled = jnp.minimum(num_pairs, C)
-    if dequantize_to is not None:
+    # each received row read once and written to its expert rows; the transpose (dispatch's
+    # backward) gathers each row's expert rows
+    fill = (jnp.where(q >= filled, q, -1) if cfg.zero_fill
+            else filled + jnp.arange(min(ZERO_TAIL_ROWS, C), dtype=i32))
+    targets = expert_rows_read(recv_pos, C)
+    if dequantize_to is not None:  # FP8 rows: each dequantized once, on the way
         hidden, dtype = dequantize_to
-        past = q - filled
-        rows = jnp.where(used, src_row, jnp.where(cfg.zero_fill | (past < ZERO_TAIL_ROWS), -1, R))
-        expert_x = row_kernels.gather_dequant(buf_x, rows, hidden=hidden,
-                                              block=wire.BLOCK[cfg.wire_format],
-                                              mx=cfg.wire_format == "mxfp8", dtype=dtype)
+        expert_x = row_kernels.scatter_dequant(buf_x, targets, fill, C, hidden=hidden,
+                                               block=wire.BLOCK[cfg.wire_format],
+                                               mx=cfg.wire_format == "mxfp8", dtype=dtype)
     else:
-        # each received row read once and written to its expert rows; the transpose (dispatch's
-        # backward) gathers each row's expert rows
-        fill = (jnp.where(q >= filled, q, -1) if cfg.zero_fill
-                else filled + jnp.arange(min(ZERO_TAIL_ROWS, C), dtype=i32))
-        expert_x = row_kernels.scatter(buf_x, expert_rows_read(recv_pos, C), fill, C)
+        expert_x = row_kernels.scatter(buf_x, targets, fill, C)
 
     return Expanded(expert_x, group_sizes, recv_pos, recv_w, expert_token)

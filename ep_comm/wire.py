@@ -24,7 +24,7 @@ spacing ``2**-9``). MXFP8 values beyond ``448 * s`` saturate to it: off by less 
 
 These are plain XLA functions: the CPU reference, and the sender's quantization on the GPU too.
 The receiver's gather and dequantization run as one kernel on GPUs
-(:func:`collectives.row_kernels.gather_dequant`, whose XLA lowering is this module's math).
+(:func:`collectives.row_kernels.scatter_dequant`, whose XLA lowering is this module's math).
 """
 
 from __future__ import annotations

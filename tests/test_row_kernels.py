@@ -272,23 +272,26 @@ def test_gather_sum_kernel_matches(tdt, odt, H):
 @pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("H", [7168, 100])  # 100: a partial last block, the per-element path
-def test_gather_dequant_kernel_bitwise(fmt, dtype, H):
-    """The FP8 receive side: gather + dequantize in one kernel equals unpack + dequantize in XLA,
-    bit for bit (non-finite blocks: NaN in both)."""
+def test_scatter_dequant_kernel_bitwise(fmt, dtype, H):
+    """The FP8 receive side: scatter + dequantize in one kernel equals scatter + unpack +
+    dequantize in XLA, bit for bit (non-finite blocks: NaN in both), malformed targets skipped."""
     from ep_comm import wire
 
     rng = np.random.default_rng(H)
-    N, M = 200, 333
+    N, K, C = 200, 3, 700
     x = rng.standard_t(2, (N, H)).astype(np.float32)
     x[3, 5] = np.inf
     x[7, :] = 0.0
     rows = jax.jit(wire.pack_rows, static_argnums=1)(jnp.asarray(x), fmt)
-    idx = jnp.asarray(rng.choice(np.array([-1, N, 2 ** 31 - 1, -2 ** 31] + list(range(N))), M),
-                      jnp.int32)
-    fn = lambda r, i: row_kernels.gather_dequant(  # noqa: E731
-        r, i, hidden=H, block=wire.BLOCK[fmt], mx=fmt == "mxfp8", dtype=dtype)
-    got, want = _both(fn, rows, idx)
-    defined = np.asarray(idx) < N
+    pos = rng.permutation(C)[:N * K].reshape(N, K)
+    bad = rng.random((N, K)) < 0.3
+    pos = np.where(bad, rng.choice(np.array([-1, -2 ** 31, C, 2 ** 31 - 1]), (N, K)), pos)
+    free = np.setdiff1d(np.arange(C), pos)
+    fill = np.concatenate([rng.choice(free, 20, replace=False), [-5, C]])
+    fn = lambda r, p, f: row_kernels.scatter_dequant(  # noqa: E731
+        r, p, f, C, hidden=H, block=wire.BLOCK[fmt], mx=fmt == "mxfp8", dtype=dtype)
+    got, want = _both(fn, rows, jnp.asarray(pos, jnp.int32), jnp.asarray(fill, jnp.int32))
+    defined = np.isin(np.arange(C), np.concatenate([pos[~bad], fill[:20]]))
     # compared as float32 (exact for bfloat16), where every numpy treats NaN positions as equal
     np.testing.assert_array_equal(np.asarray(got, np.float32)[defined],
                                   np.asarray(want, np.float32)[defined])

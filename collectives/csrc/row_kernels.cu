@@ -12,8 +12,9 @@
 //   ep_comm_rows_scatter     out[pos[n, k]] = table[n] for pos[n, k] in [0, M), out[fill[f]] = 0
 //                            for fill[f] in [0, M); other rows unwritten (dispatch's expand:
 //                            each received row read once, written to each of its expert rows).
-//   ep_comm_rows_gather_dequant  gather FP8 rows (values, then block scales) and dequantize them
-//                            in the same pass (the FP8 wire's receive side); rows as gather's.
+//   ep_comm_rows_scatter_dequant  scatter's FP8 form: each FP8 row (values, then block scales)
+//                            read once, dequantized and written to its rows (the FP8 wire's
+//                            receive side); rows as scatter's.
 //   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
 //   ep_comm_rows_key_count   counts[c, k]: entries of chunk c (kRankChunk entries each) with key k
 //                            (a key outside [0, num_keys) counts as num_keys - 1).
@@ -482,11 +483,11 @@ ffi::Error GatherSum(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-// ---- gather_dequant -----------------------------------------------------------------------------
+// ---- scatter_dequant ----------------------------------------------------------------------------
 // FP8 rows as dispatch sends them (ep_comm.wire.pack_rows): H e4m3 bytes, then the row's block
-// scales (float32, 4 bytes each: "e4m3"; one E8M0 byte each: "mxfp8", 255 = NaN). One pass:
-// gather a row, dequantize it (value * scale in float32, NaN for the whole block where the scale
-// is NaN, one rounding to the output dtype) and write it in the output dtype.
+// scales (float32, 4 bytes each: "e4m3"; one E8M0 byte each: "mxfp8", 255 = NaN). One pass, as
+// scatter's: read a row once, dequantize it (value * scale in float32, NaN for the whole block
+// where the scale is NaN, one rounding to the output dtype) and write it to each of its rows.
 
 template <bool kMx>
 __device__ __forceinline__ float block_scale(const uint8_t* scales, int64_t b) {
@@ -508,18 +509,22 @@ __device__ __forceinline__ float dequant1(uint8_t byte, float s) {
 
 template <typename Tout, bool kMx>
 __global__ void __launch_bounds__(kThreads)
-gather_dequant_kernel(const uint8_t* __restrict__ table, const int32_t* __restrict__ idx,
-                      Tout* __restrict__ out, int64_t n_table, int64_t m, int64_t row_bytes,
-                      int64_t H, int block, bool vec) {
-  for (int64_t i = blockIdx.x; i < m; i += gridDim.x) {
-    const int64_t r = idx[i];
-    if (r >= n_table) continue;  // unspecified: not written
-    Tout* dst = out + i * H;
-    if (r < 0) {
-      for (int64_t j = threadIdx.x; j < H; j += kThreads) dst[j] = from_f32<Tout>(0.0f);
+scatter_dequant_kernel(const uint8_t* __restrict__ table, const int32_t* __restrict__ pos,
+                       const int32_t* __restrict__ fill, Tout* __restrict__ out, int64_t n, int K,
+                       int64_t n_fill, int64_t m, int64_t row_bytes, int64_t H, int block,
+                       bool vec) {
+  for (int64_t i = blockIdx.x; i < n + n_fill; i += gridDim.x) {
+    if (i >= n) {  // a row to zero
+      const int64_t r = fill[i - n];
+      if (r < 0 || r >= m) continue;
+      for (int64_t j = threadIdx.x; j < H; j += kThreads) out[r * H + j] = from_f32<Tout>(0.0f);
       continue;
     }
-    const uint8_t* src = table + r * row_bytes;
+    const int32_t* p = pos + i * K;
+    bool any = false;
+    for (int k = 0; k < K; ++k) any |= p[k] >= 0 && p[k] < m;
+    if (!any) continue;
+    const uint8_t* src = table + i * row_bytes;
     if (vec) {  // 16 values per 16-byte load; a 16-value chunk never straddles a block
       for (int64_t c = threadIdx.x; c < H / 16; c += kThreads) {
         const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + c);
@@ -528,44 +533,54 @@ gather_dequant_kernel(const uint8_t* __restrict__ table, const int32_t* __restri
         Pack<Tout, 16> o;
 #pragma unroll
         for (int j = 0; j < 16; ++j) o.v[j] = from_f32<Tout>(dequant1(bytes[j], sc));
-        reinterpret_cast<Pack<Tout, 16>*>(dst)[c] = o;
+        for (int k = 0; k < K; ++k) {
+          const int64_t r = p[k];
+          if (r >= 0 && r < m) reinterpret_cast<Pack<Tout, 16>*>(out + r * H)[c] = o;
+        }
       }
     } else {
       for (int64_t j = threadIdx.x; j < H; j += kThreads) {
-        dst[j] = from_f32<Tout>(dequant1(src[j], block_scale<kMx>(src + H, j / block)));
+        const Tout v = from_f32<Tout>(dequant1(src[j], block_scale<kMx>(src + H, j / block)));
+        for (int k = 0; k < K; ++k) {
+          const int64_t r = p[k];
+          if (r >= 0 && r < m) out[r * H + j] = v;
+        }
       }
     }
   }
 }
 
 template <typename Tout>
-cudaError_t launch_gather_dequant(cudaStream_t s, const uint8_t* table, const int32_t* idx,
-                                  void* out, int64_t n_table, int64_t m, int64_t row_bytes,
-                                  int64_t H, int block, bool mx) {
+cudaError_t launch_scatter_dequant(cudaStream_t s, const uint8_t* table, const int32_t* pos,
+                                   const int32_t* fill, void* out, int64_t n, int K,
+                                   int64_t n_fill, int64_t m, int64_t row_bytes, int64_t H,
+                                   int block, bool mx) {
   const bool vec = H % 16 == 0 && row_bytes % 16 == 0 && block % 16 == 0 && aligned(table, 16) &&
                    aligned(out, sizeof(Pack<Tout, 16>));
   Tout* o = static_cast<Tout*>(out);
   if (mx) {
-    gather_dequant_kernel<Tout, true><<<grid_for(m, 1), kThreads, 0, s>>>(
-        table, idx, o, n_table, m, row_bytes, H, block, vec);
+    scatter_dequant_kernel<Tout, true><<<grid_for(n + n_fill, 1), kThreads, 0, s>>>(
+        table, pos, fill, o, n, K, n_fill, m, row_bytes, H, block, vec);
   } else {
-    gather_dequant_kernel<Tout, false><<<grid_for(m, 1), kThreads, 0, s>>>(
-        table, idx, o, n_table, m, row_bytes, H, block, vec);
+    scatter_dequant_kernel<Tout, false><<<grid_for(n + n_fill, 1), kThreads, 0, s>>>(
+        table, pos, fill, o, n, K, n_fill, m, row_bytes, H, block, vec);
   }
   return cudaGetLastError();
 }
 
-ffi::Error GatherDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> idx,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t block, int64_t mx) {
-  const std::string where = "ep_comm rows gather_dequant: ";
+ffi::Error ScatterDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> pos,
+                          ffi::Buffer<ffi::S32> fill, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t block, int64_t mx) {
+  const std::string where = "ep_comm rows scatter_dequant: ";
   const auto odims = out->dimensions();
-  const int64_t m = idx.element_count(), row_bytes = row_bytes_of(table);
+  const auto pdims = pos.dimensions();
+  const int64_t n = rows_of(table), row_bytes = row_bytes_of(table);
   if (table.element_type() != ffi::DataType::U8 || table.dimensions().size() != 2 ||
-      odims.size() != 2 || odims[0] != m) {
-    return ffi::Error::InvalidArgument(where + "table must be (N, row bytes) uint8 and the result "
-                                       "(M, H) for M indices");
+      odims.size() != 2 || pdims.size() != 2 || pdims[0] != n) {
+    return ffi::Error::InvalidArgument(where + "table must be (N, row bytes) uint8, pos (N, K) "
+                                       "and the result (M, H)");
   }
-  const int64_t H = odims[1];
+  const int64_t m = odims[0], H = odims[1];
   const int64_t nb = block > 0 ? (H + block - 1) / block : 0;
   if (block <= 0 || row_bytes < H + nb * (mx ? 1 : 4)) {
     return ffi::Error::InvalidArgument(where + "rows of " + std::to_string(row_bytes) +
@@ -573,18 +588,30 @@ ffi::Error GatherDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<
                                        " values and their scales (block " +
                                        std::to_string(block) + ")");
   }
-  if (m == 0 || H == 0) return ffi::Error::Success();
+  const int K = static_cast<int>(pdims[1]);
+  const int64_t n_fill = fill.element_count();
+  if (m == 0 || H == 0 || (n * K == 0 && n_fill == 0)) return ffi::Error::Success();
   const uint8_t* t = static_cast<const uint8_t*>(table.untyped_data());
-  const int32_t* ix = idx.typed_data();
+  const int32_t* p = pos.typed_data();
+  const int32_t* f = fill.typed_data();
   void* o = out->untyped_data();
-  const int64_t n_table = rows_of(table);
   const int blk = static_cast<int>(block);
   cudaError_t e;
   switch (out->element_type()) {
-    case ffi::DataType::BF16: e = launch_gather_dequant<__nv_bfloat16>(stream, t, ix, o, n_table, m, row_bytes, H, blk, mx); break;
-    case ffi::DataType::F16: e = launch_gather_dequant<__half>(stream, t, ix, o, n_table, m, row_bytes, H, blk, mx); break;
-    case ffi::DataType::F32: e = launch_gather_dequant<float>(stream, t, ix, o, n_table, m, row_bytes, H, blk, mx); break;
-    default: return ffi::Error::InvalidArgument(where + "the result must be bfloat16, float16 or float32");
+    case ffi::DataType::BF16:
+      e = launch_scatter_dequant<__nv_bfloat16>(stream, t, p, f, o, n, K, n_fill, m, row_bytes, H,
+                                                blk, mx);
+      break;
+    case ffi::DataType::F16:
+      e = launch_scatter_dequant<__half>(stream, t, p, f, o, n, K, n_fill, m, row_bytes, H, blk,
+                                         mx);
+      break;
+    case ffi::DataType::F32:
+      e = launch_scatter_dequant<float>(stream, t, p, f, o, n, K, n_fill, m, row_bytes, H, blk,
+                                        mx);
+      break;
+    default:
+      return ffi::Error::InvalidArgument(where + "the result must be bfloat16, float16 or float32");
   }
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
@@ -796,11 +823,12 @@ int64_t selftest() {
   return wrong;
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherDequant, GatherDequant,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatterDequant, ScatterDequant,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // table (N, row bytes) uint8
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // idx (M,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
                                   .Ret<ffi::AnyBuffer>()         // out (M, H)
                                   .Attr<int64_t>("block")        // values per scale
                                   .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
@@ -847,7 +875,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
 void* gather_handler() { return reinterpret_cast<void*>(kGather); }
 void* gather_sum_handler() { return reinterpret_cast<void*>(kGatherSum); }
 void* empty_handler() { return reinterpret_cast<void*>(kEmpty); }
-void* gather_dequant_handler() { return reinterpret_cast<void*>(kGatherDequant); }
+void* scatter_dequant_handler() { return reinterpret_cast<void*>(kScatterDequant); }
 void* scatter_handler() { return reinterpret_cast<void*>(kScatter); }
 void* key_count_handler() { return reinterpret_cast<void*>(kKeyCount); }
 void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }

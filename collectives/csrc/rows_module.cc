@@ -10,8 +10,8 @@ NB_MODULE(_ep_rows, m) {
   m.def("gather_handler", []() { return nb::capsule(ep_comm::rows::gather_handler()); });
   m.def("gather_sum_handler", []() { return nb::capsule(ep_comm::rows::gather_sum_handler()); });
   m.def("empty_handler", []() { return nb::capsule(ep_comm::rows::empty_handler()); });
-  m.def("gather_dequant_handler",
-        []() { return nb::capsule(ep_comm::rows::gather_dequant_handler()); });
+  m.def("scatter_dequant_handler",
+        []() { return nb::capsule(ep_comm::rows::scatter_dequant_handler()); });
   m.def("scatter_handler", []() { return nb::capsule(ep_comm::rows::scatter_handler()); });
   m.def("key_count_handler", []() { return nb::capsule(ep_comm::rows::key_count_handler()); });
   m.def("key_rank_handler", []() { return nb::capsule(ep_comm::rows::key_rank_handler()); });
