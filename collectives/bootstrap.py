@@ -31,6 +31,7 @@ from typing import Sequence
 
 import jax
 
+from topology.jax_compat import command_buffer_traits
 from topology.processes import process_allgather
 
 PROTOCOL = 1  # keep in step with kMagic in csrc/exchange_plan.h ("epc1")
@@ -124,8 +125,10 @@ def register_targets(name: str) -> None:
         elif name == "rows":
             for op in ("gather", "gather_sum", "empty", "scatter_dequant", "scatter", "key_count",
                        "key_rank"):
+                # the row kernels launch shape-determined work and never wait on the host:
+                # XLA may put them in its CUDA graphs (one launch for many kernels)
                 jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),
-                                            platform="CUDA")
+                                            platform="CUDA", **command_buffer_traits())
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

@@ -77,3 +77,14 @@ def sum_to_vma(ct, like):
     for custom VJP rules (JAX inserts the same sum for its own rules)."""
     extra = tuple(sorted(varying_axes(ct) - varying_axes(like)))
     return jax.lax.psum(ct, extra) if extra else ct
+
+
+def command_buffer_traits() -> dict:
+    """``register_ffi_target`` keyword arguments marking a handler safe to capture into XLA's
+    command buffers (CUDA graphs): it launches the same device work for the same shapes and
+    attributes, and never synchronises with the host. Empty where this jaxlib lacks the flag."""
+    try:
+        from jax._src.lib import xla_client
+        return dict(traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
+    except (ImportError, AttributeError):
+        return {}

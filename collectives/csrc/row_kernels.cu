@@ -525,17 +525,19 @@ scatter_dequant_kernel(const uint8_t* __restrict__ table, const int32_t* __restr
     for (int k = 0; k < K; ++k) any |= p[k] >= 0 && p[k] < m;
     if (!any) continue;
     const uint8_t* src = table + i * row_bytes;
-    if (vec) {  // 16 values per 16-byte load; a 16-value chunk never straddles a block
-      for (int64_t c = threadIdx.x; c < H / 16; c += kThreads) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + c);
-        const float sc = block_scale<kMx>(src + H, c * 16 / block);
-        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
-        Pack<Tout, 16> o;
+    if (vec) {  // kV values (16 output bytes) per thread and chunk, never straddling a block:
+      // consecutive lanes store consecutive 16-byte pieces of each destination row
+      constexpr int kV = 16 / sizeof(Tout);
+      using Raw = Pack<uint8_t, kV>;
+      for (int64_t c = threadIdx.x; c < H / kV; c += kThreads) {
+        const Raw raw = reinterpret_cast<const Raw*>(src)[c];
+        const float sc = block_scale<kMx>(src + H, c * kV / block);
+        Pack<Tout, kV> o;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) o.v[j] = from_f32<Tout>(dequant1(bytes[j], sc));
+        for (int j = 0; j < kV; ++j) o.v[j] = from_f32<Tout>(dequant1(raw.v[j], sc));
         for (int k = 0; k < K; ++k) {
           const int64_t r = p[k];
-          if (r >= 0 && r < m) reinterpret_cast<Pack<Tout, 16>*>(out + r * H)[c] = o;
+          if (r >= 0 && r < m) reinterpret_cast<Pack<Tout, kV>*>(out + r * H)[c] = o;
         }
       }
     } else {
@@ -556,7 +558,7 @@ cudaError_t launch_scatter_dequant(cudaStream_t s, const uint8_t* table, const i
                                    int64_t n_fill, int64_t m, int64_t row_bytes, int64_t H,
                                    int block, bool mx) {
   const bool vec = H % 16 == 0 && row_bytes % 16 == 0 && block % 16 == 0 && aligned(table, 16) &&
-                   aligned(out, sizeof(Pack<Tout, 16>));
+                   aligned(out, 16);
   Tout* o = static_cast<Tout*>(out);
   if (mx) {
     scatter_dequant_kernel<Tout, true><<<grid_for(n + n_fill, 1), kThreads, 0, s>>>(
