@@ -19,7 +19,8 @@ reassociation for :func:`gather_sum`).
 - :func:`rank_by_key`: a stable counting sort of integer keys (dispatch's expert-major layout),
   :func:`key_counts` and :func:`key_ranks` its two kernels.
 - :func:`scatter_dequant`: :func:`scatter` of FP8 wire rows, each dequantized once on the way
-  (dispatch's receive side with ``EPConfig(wire_format=...)``).
+  (dispatch's receive side with ``EPConfig(wire_format=...)``), and :func:`quantize_rows` (its
+  send side: rows into FP8 wire rows in one pass).
 
 And :func:`empty`: a buffer for an exchange to receive into, left uninitialised on GPUs (no
 memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
@@ -77,6 +78,11 @@ def _same_vma(*xs):
         for other in xs:
             out[i] = match_vma(out[i], other)
     return out
+
+
+def _zero_tangent(out):
+    """The symbolic zero tangent of a primitive's output (float0 for integer outputs)."""
+    return ad.Zero(jax.typeof(out).to_tangent_aval())
 
 
 def _poison(dtype):
@@ -150,7 +156,7 @@ def _gather_jvp(primals, tangents, *, kernel):
     out = gather_p.bind(table, idx, kernel=kernel)
     t = tangents[0]
     if type(t) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
+        return out, _zero_tangent(out)
     return out, gather_p.bind(ad.instantiate_zeros(t), idx, kernel=kernel)
 
 
@@ -171,11 +177,13 @@ ad.primitive_transposes[gather_p] = _gather_transpose
 
 # --- scatter --------------------------------------------------------------------------------------
 
-def scatter(table, pos, fill, rows: int):
+def scatter(table, pos, fill, rows: int, columns=None):
     """``(rows, ...)``: row ``pos[n, k]`` is ``table[n]`` (entries outside ``[0, rows)`` skipped),
     row ``fill[f]`` is zero (the same), every other row unspecified. A row must be the target of
     at most one entry of ``pos`` and not also be filled.
-    ``table``: ``(N, ...)``; ``pos``: ``(N, K)`` integer; ``fill``: ``(F,)`` integer.
+    ``table``: ``(N, ...)``; ``pos``: ``(N, K)`` integer; ``fill``: ``(F,)`` integer;
+    ``columns``: ``(start, stop)``, a 2-D table's columns to move (``table[n, start:stop]``; the
+    kernel reads only those bytes), or None for whole rows.
 
     Each table row is read once and written to its destinations: dispatch's expand of a received
     token into its expert rows moves exactly the compulsory bytes. Linear in the table; its
@@ -189,12 +197,25 @@ def scatter(table, pos, fill, rows: int):
                          f"{tuple(pos.shape)} and fill {tuple(fill.shape)}")
     if int(rows) < 0:
         raise ValueError(f"row_kernels.scatter: rows must be >= 0, got {rows}")
+    if columns is not None:
+        start, stop = (int(c) for c in columns)
+        if table.ndim != 2 or not 0 <= start <= stop <= table.shape[1]:
+            raise ValueError(f"row_kernels.scatter: columns must be (start, stop) with 0 <= start "
+                             f"<= stop <= the columns of a 2-D table, got {tuple(columns)} for "
+                             f"table {tuple(table.shape)}")
+        columns = (start, stop)
     table, pos, fill = _same_vma(table, pos, fill)
-    return scatter_p.bind(table, pos, fill, rows=int(rows), kernel=_want_kernels())
+    return scatter_p.bind(table, pos, fill, rows=int(rows), columns=columns,
+                          kernel=_want_kernels())
 
 
-def _scatter_reference(table, pos, fill, *, rows, kernel=None):
+def _columns(table, columns):
+    return table if columns is None else table[:, columns[0]:columns[1]]
+
+
+def _scatter_reference(table, pos, fill, *, rows, columns=None, kernel=None):
     del kernel
+    table = _columns(table, columns)
     N, K = pos.shape
     out = jnp.full((rows, *table.shape[1:]), _poison(table.dtype))
     inside = lambda i: jnp.where((i >= 0) & (i < rows), i, rows)  # noqa: E731  (rows: dropped)
@@ -203,16 +224,16 @@ def _scatter_reference(table, pos, fill, *, rows, kernel=None):
     return out.at[inside(fill)].set(jnp.zeros((), table.dtype), mode="drop")
 
 
-def _scatter_jvp(primals, tangents, *, rows, kernel):
+def _scatter_jvp(primals, tangents, **params):
     table, pos, fill = primals
-    out = scatter_p.bind(table, pos, fill, rows=rows, kernel=kernel)
+    out = scatter_p.bind(table, pos, fill, **params)
     t = tangents[0]
     if type(t) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
-    return out, scatter_p.bind(ad.instantiate_zeros(t), pos, fill, rows=rows, kernel=kernel)
+        return out, _zero_tangent(out)
+    return out, scatter_p.bind(ad.instantiate_zeros(t), pos, fill, **params)
 
 
-def _scatter_transpose(ct, table, pos, fill, *, rows, kernel):
+def _scatter_transpose(ct, table, pos, fill, *, rows, columns, kernel):
     aval = table.aval
     if type(ct) is ad.Zero:
         return [ad.Zero(aval), None, None]
@@ -220,13 +241,22 @@ def _scatter_transpose(ct, table, pos, fill, *, rows, kernel):
     flat, pos, ones = _same_vma(ct.reshape(ct.shape[0], -1), pos,
                                 jnp.ones(pos.shape, jnp.float32))
     d = gather_sum_p.bind(flat, pos, ones, out_dtype=aval.dtype, kernel=kernel)
-    return [d.reshape(aval.shape), None, None]
+    if columns is None:
+        return [d.reshape(aval.shape), None, None]
+    return [jnp.zeros(aval.shape, aval.dtype).at[:, columns[0]:columns[1]].set(d), None, None]
 
 
-scatter_p = _primitive("ep_comm_rows_scatter", _scatter_reference,
-                       lambda table, pos, fill, *, rows, kernel: table.update(
-                           shape=(rows, *table.shape[1:]), weak_type=False),
-                       ("rows", "kernel"))
+def _scatter_abstract(table, pos, fill, *, rows, columns, kernel):
+    shape = table.shape[1:] if columns is None else (columns[1] - columns[0],)
+    return table.update(shape=(rows, *shape), weak_type=False)
+
+
+scatter_p = _primitive("ep_comm_rows_scatter", _scatter_reference, _scatter_abstract,
+                       ("rows", "columns", "kernel"),
+                       ffi_attrs=lambda *, columns, **_: dict(offset=np.int64(
+                           0 if columns is None else columns[0])),
+                       kernel_fits=lambda ctx, *, columns, **_: columns is None
+                       or ctx.avals_in[0].dtype.itemsize == 1)
 ad.primitive_jvps[scatter_p] = _scatter_jvp
 ad.primitive_transposes[scatter_p] = _scatter_transpose
 
@@ -379,7 +409,7 @@ def _gather_sum_jvp(primals, tangents, *, out_dtype, kernel):
     if type(t_w) is not ad.Zero:
         terms.append(gather_sum_p.bind(table, idx, t_w, out_dtype=out_dtype, kernel=kernel))
     if not terms:
-        return out, ad.Zero.from_primal_value(out)
+        return out, _zero_tangent(out)
     return out, functools.reduce(jnp.add, terms)
 
 
@@ -419,6 +449,75 @@ def e8m0_scales(exponents):
     """Float32 ``2 ** (e - 127)`` of E8M0 biased exponents (uint8), NaN for 255 (E8M0's NaN)."""
     e = exponents.astype(jnp.int32) - 127
     return jnp.where(exponents == 255, jnp.nan, jnp.ldexp(jnp.float32(1.0), e))
+
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+_E4M3_EMAX = 8  # 448 = 1.75 * 2**8
+_E8M0_BIAS = 127
+_E8M0_NAN = 255
+
+
+def quantize_blocks(x, block: int, mx: bool):
+    """``(values, scales)`` of ``(T, H)`` floating ``x`` per block of ``block`` elements along the
+    last axis (``ep_comm.wire``'s formats: its docstring has the rounding, saturation and
+    non-finite policy): ``values`` ``(T, H)`` float8_e4m3fn, ``scales`` ``(T, ceil(H / block))``
+    float32 (``amax / 448``) or, with ``mx``, uint8 E8M0 exponents."""
+    T, H = x.shape
+    nb = -(-H // block)
+    xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * block - H))).reshape(T, nb, block)
+    finite = jnp.all(jnp.isfinite(xb), axis=2, keepdims=True)
+    amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=2, keepdims=True)
+    if not mx:
+        scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+        scale = jnp.where(finite, scale, jnp.nan)
+        q = xb / scale
+        stored = scale[..., 0]
+    else:
+        # power-of-two scale: 2**(floor(log2(amax)) - 8), exponent clamped to e8m0's range;
+        # frexp and ldexp keep every step exact (amax = m * 2**k, m in [0.5, 1))
+        _, k = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
+        e = jnp.where(amax > 0, k - 1 - _E4M3_EMAX, -_E8M0_BIAS)
+        e = jnp.clip(e, -_E8M0_BIAS, _E8M0_BIAS).astype(jnp.int32)
+        q = jnp.ldexp(xb, -e)
+        stored = jnp.where(finite, e + _E8M0_BIAS, _E8M0_NAN)[..., 0].astype(jnp.uint8)
+        q = jnp.where(finite, q, jnp.nan)
+    q = jnp.where(jnp.isnan(q), q, jnp.clip(q, -E4M3_MAX, E4M3_MAX))  # saturate, keep NaN
+    values = q.reshape(T, -1)[:, :H].astype(jnp.float8_e4m3fn)
+    return values, stored
+
+
+def quantize_rows(x, block: int, mx: bool):
+    """``(T, H)`` floating rows as FP8 wire rows: uint8 ``(T, H + scale bytes)``, the e4m3 values
+    then the scales (float32 as 4 bytes each, or E8M0 bytes) of :func:`quantize_blocks`, in one
+    pass on GPUs. Not differentiable (bytes)."""
+    x = jnp.asarray(x)
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or block not in (32, 128):
+        raise ValueError(f"row_kernels.quantize_rows: x must be a floating (T, H) array and block "
+                         f"32 or 128, got {x.dtype} {tuple(x.shape)} and block {block}")
+    return quantize_rows_p.bind(x, block=int(block), mx=bool(mx), kernel=_want_kernels())
+
+
+def _quantize_rows_reference(x, *, block, mx, kernel=None):
+    values, scales = quantize_blocks(x, block, mx)
+    T = x.shape[0]
+    tail = scales if mx else jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(T, -1)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), tail], axis=1)
+
+
+def _quantize_rows_jvp(primals, tangents, **params):
+    out = quantize_rows_p.bind(*primals, **params)
+    return out, _zero_tangent(out)
+
+
+quantize_rows_p = _primitive(
+    "ep_comm_rows_quantize_rows", _quantize_rows_reference,
+    lambda x, *, block, mx, kernel: x.update(
+        shape=(x.shape[0], x.shape[1] + -(-x.shape[1] // block) * (1 if mx else 4)),
+        dtype=jnp.uint8, weak_type=False),
+    ("block", "mx", "kernel"),
+    ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
+    kernel_fits=lambda ctx, **_: ctx.avals_in[0].dtype in _KERNEL_DTYPES)
+ad.primitive_jvps[quantize_rows_p] = _quantize_rows_jvp
 
 
 def dequantize_blocks(values, scales, block: int, dtype):
@@ -475,7 +574,7 @@ def _scatter_dequant_reference(table, pos, fill, *, rows, hidden, block, mx, dty
 
 def _scatter_dequant_jvp(primals, tangents, **params):
     out = scatter_dequant_p.bind(*primals, **params)
-    return out, ad.Zero.from_primal_value(out)
+    return out, _zero_tangent(out)
 
 
 scatter_dequant_p = _primitive(

@@ -263,7 +263,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
             if kern[0] > 0:  # GPU kernels in the trace (none on CPU)
                 extra.update(kernel_us=kern[0], wall_over_kernel=piped / kern[0],
                              top_kernels=kern[1])
-            if profile and phase == "dispatch":
+            # (bf16 only: with a wire format XLA would quantize the loop-invariant x once)
+            if profile and phase == "dispatch" and wire_format is None:
                 calls = 20
                 prog = in_program(cfg, mesh, calls)
                 extra.update(in_program_us=median_us(prog, fargs, 1, 5) / calls)

@@ -40,14 +40,16 @@ class Expanded:
     expert_token: jax.Array
 
 
-def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None) -> Expanded:
+def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
+           split_at=None) -> Expanded:
     """Rows of ``route``'s receive buffer (the first ``num_recv`` in the flat order are used) into
     ``expert_x``: rows ordered by local expert, then (source rank, source token, k); the rows past
     ``sum(group_sizes)``: the first :data:`ZERO_TAIL_ROWS` zero, the others unspecified (zero with
     ``cfg.zero_fill``). ``dequantize_to=(hidden, dtype)``: the buffer holds FP8 wire rows
     (``cfg.wire_format``) and ``expert_x`` their dequantized values, gathered and dequantized in
-    one pass. Pairs past ``cfg.expert_rows`` are dropped (counted by
-    dispatch)."""
+    one pass; ``split_at=hidden``: the buffer holds FP8 wire rows and ``expert_x`` is their
+    ``(values, scales)`` bytes, each written apart. Pairs past ``cfg.expert_rows`` are dropped
+    (counted by dispatch)."""
     R, C, K, L = cfg.recv_token_rows, cfg.expert_rows, cfg.topk, cfg.experts_per_rank
     i32 = jnp.int32
     buf_x, buf_route, flat_to_buf = route.x, route.route, route.flat_to_buf
@@ -95,6 +97,10 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None) -> Exp
         expert_x = row_kernels.scatter_dequant(buf_x, targets, fill, C, hidden=hidden,
                                                block=wire.BLOCK[cfg.wire_format],
                                                mx=cfg.wire_format == "mxfp8", dtype=dtype)
+    elif split_at is not None:  # FP8 rows kept: their values and scales bytes, apart
+        scale_bytes = wire.scale_bytes(split_at, cfg.wire_format)
+        expert_x = tuple(row_kernels.scatter(buf_x, targets, fill, C, columns=c)
+                         for c in ((0, split_at), (split_at, split_at + scale_bytes)))
     else:
         expert_x = row_kernels.scatter(buf_x, targets, fill, C)
 

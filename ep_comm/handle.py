@@ -44,7 +44,8 @@ class EPHandle:
         pair ``(t, k)`` when ``k`` is the first of ``t``'s choices on that rank (flat) or node
         (hierarchical), else -1. Combine sums over these.
       legs: the exchanges of the plan (one ``ep_comm.routes.Leg`` for flat; stage 1 then stage 2
-        for hierarchical).
+        for hierarchical); ``()`` when dispatch exchanged nothing (one rank with room for every
+        token: ``ep_comm.routes.is_local``).
       forward_row: hierarchical only (else ``None``): ``(N * T, G)`` int32; row of the stage-2
         send buffer that forwarded stage-1 row ``i`` to local rank ``g``, or -1.
       recv_weights: ``(R, K)`` float32; router weight of each received token's local experts (0

@@ -144,7 +144,8 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
                      else (x.shape[1], x.dtype))
     # (a local route's buffer holds every token: all its rows count, those without an expert
     # here carry none)
-    ex = expand(cfg, moved, R if local else num_recv, me, dequantize_to)
+    ex = expand(cfg, moved, R if local else num_recv, me, dequantize_to,
+                split_at=x.shape[1] if return_quantized else None)
     sent = link_rows(plan, moved.legs, me)  # per link class, dispatch and combine
     expected = jnp.sum(pairs[:, me])
     handle = EPHandle(
@@ -157,7 +158,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
         traffic=jnp.stack([tok[me], kept[:, me]]),
         link_rows=sent,
         token_send_row=moved.token_send_row,
-        legs=moved.legs,
+        legs=() if local else moved.legs,  # (no exchange to reverse: nothing to carry)
         forward_row=moved.forward_row,
         recv_weights=ex.recv_weights,
         recv_pos=ex.recv_pos,
@@ -168,7 +169,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     if cfg.wire_format is None:
         return ex.expert_x, handle
     if return_quantized:
-        values, scales = wire.unpack_rows(ex.expert_x, x.shape[1], cfg.wire_format)
+        values, scales = wire.from_bytes(*ex.expert_x, cfg.wire_format)
         return (_not_differentiable(values, x), scales), handle
     return _straight_through(ex.expert_x, x, handle), handle
 

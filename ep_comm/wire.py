@@ -22,9 +22,10 @@ in the last of 3 mantissa bits); a smaller one by at most ``s * 2**-10`` (half t
 spacing ``2**-9``). MXFP8 values beyond ``448 * s`` saturate to it: off by less than
 ``2**-3 * |x|`` (a block's largest value scales to just under 512).
 
-These are plain XLA functions: the CPU reference, and the sender's quantization on the GPU too.
-The receiver's gather and dequantization run as one kernel on GPUs
-(:func:`collectives.row_kernels.scatter_dequant`, whose XLA lowering is this module's math).
+The math lives in :mod:`collectives.row_kernels` (``quantize_blocks``, ``dequantize_blocks``):
+XLA there is the CPU reference, and on GPUs the sender's quantization and the receiver's scatter
+with dequantization run as one kernel each (:func:`collectives.row_kernels.quantize_rows`,
+:func:`collectives.row_kernels.scatter_dequant`), equal to it bit for bit.
 """
 
 from __future__ import annotations
@@ -38,10 +39,7 @@ from collectives import row_kernels
 
 WIRE_FORMATS = (None, "e4m3", "mxfp8")
 BLOCK = {"e4m3": 128, "mxfp8": 32}
-E4M3_MAX = 448.0
-_E4M3_EMAX = 8  # 448 = 1.75 * 2**8
-_E8M0_BIAS = 127
-_E8M0_NAN = 255
+E4M3_MAX = row_kernels.E4M3_MAX
 
 
 def check_format(api: str, wire_format) -> None:
@@ -52,35 +50,34 @@ def check_format(api: str, wire_format) -> None:
 def pack_rows(x, wire_format: str):
     """``(T, H)`` rows as the bytes dispatch sends: the e4m3 values, then the row's scales
     (float32 as 4 bytes each, or e8m0 bytes); ``(T, topology.token_bytes(H, ..., wire_format))``
-    uint8. No gradient flows through bytes: dispatch attaches the straight-through one."""
-    values, scales = quantize(x, wire_format)
-    T = values.shape[0]
-    parts = [jax.lax.bitcast_convert_type(values, jnp.uint8)]
-    if wire_format == "e4m3":
-        parts.append(jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(T, -1))
-    else:
-        parts.append(scales)
-    return jnp.concatenate(parts, axis=1)
+    uint8, in one pass on GPUs (:func:`collectives.row_kernels.quantize_rows`). No gradient flows
+    through bytes: dispatch attaches the straight-through one."""
+    x = _checked("pack_rows", x, wire_format)
+    return row_kernels.quantize_rows(x, BLOCK[wire_format], wire_format == "mxfp8")
 
 
 def unpack_rows(rows, hidden: int, wire_format: str):
     """``(values, scales)`` of rows :func:`pack_rows` made (all-zero rows give zeros)."""
-    return row_kernels.split_fp8_rows(rows, hidden, BLOCK[wire_format], wire_format == "mxfp8")
+    return from_bytes(rows[:, :hidden], rows[:, hidden:hidden + scale_bytes(hidden, wire_format)],
+                      wire_format)
 
 
-def _blocks(x, block):
-    T, H = x.shape
-    nb = -(-H // block)
-    pad = nb * block - H
-    xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad)))
-    return xf.reshape(T, nb, block), pad
+def scale_bytes(hidden: int, wire_format: str) -> int:
+    """Bytes of a row's scales: one float32 (``"e4m3"``) or one E8M0 byte per block."""
+    return -(-hidden // BLOCK[wire_format]) * (1 if wire_format == "mxfp8" else 4)
 
 
-def quantize(x, wire_format: str):
-    """``(values, scales)`` of a ``(T, H)`` floating array: ``values`` ``(T, H)`` float8_e4m3fn,
-    ``scales`` ``(T, ceil(H / block))``: float32 (``"e4m3"``) or uint8 biased exponents
-    (``"mxfp8"``). See the module docstring for rounding, saturation and non-finite input."""
-    api = "quantize"
+def from_bytes(values, scales, wire_format: str):
+    """``(values, scales)`` typed (float8_e4m3fn; float32 or uint8 E8M0) from their wire bytes
+    ``(M, H)`` and ``(M, scale bytes)`` uint8 (bitcasts: no pass over the rows)."""
+    M = values.shape[0]
+    values = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+    if wire_format == "mxfp8":
+        return values, scales
+    return values, jax.lax.bitcast_convert_type(scales.reshape(M, -1, 4), jnp.float32)
+
+
+def _checked(api, x, wire_format):
     if wire_format not in WIRE_FORMATS[1:]:
         raise ValueError(f"{api}: wire_format must be one of {WIRE_FORMATS[1:]}, "
                          f"got {wire_format!r}")
@@ -88,27 +85,15 @@ def quantize(x, wire_format: str):
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{api}: x must be a floating array of shape (tokens, hidden), got "
                          f"{x.dtype} {tuple(x.shape)}")
-    T, H = x.shape
-    xb, pad = _blocks(x, BLOCK[wire_format])
-    finite = jnp.all(jnp.isfinite(xb), axis=2, keepdims=True)
-    amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=2, keepdims=True)
-    if wire_format == "e4m3":
-        scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-        scale = jnp.where(finite, scale, jnp.nan)
-        q = xb / scale
-        stored = scale[..., 0]
-    else:
-        # power-of-two scale: 2**(floor(log2(amax)) - 8), exponent clamped to e8m0's range;
-        # frexp and ldexp keep every step exact (amax = m * 2**k, m in [0.5, 1))
-        _, k = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
-        e = jnp.where(amax > 0, k - 1 - _E4M3_EMAX, -_E8M0_BIAS)
-        e = jnp.clip(e, -_E8M0_BIAS, _E8M0_BIAS).astype(jnp.int32)
-        q = jnp.ldexp(xb, -e)
-        stored = jnp.where(finite, e + _E8M0_BIAS, _E8M0_NAN)[..., 0].astype(jnp.uint8)
-        q = jnp.where(finite, q, jnp.nan)
-    q = jnp.where(jnp.isnan(q), q, jnp.clip(q, -E4M3_MAX, E4M3_MAX))  # saturate, keep NaN
-    values = q.reshape(T, -1)[:, :H].astype(jnp.float8_e4m3fn)
-    return values, stored
+    return x
+
+
+def quantize(x, wire_format: str):
+    """``(values, scales)`` of a ``(T, H)`` floating array: ``values`` ``(T, H)`` float8_e4m3fn,
+    ``scales`` ``(T, ceil(H / block))``: float32 (``"e4m3"``) or uint8 biased exponents
+    (``"mxfp8"``). See the module docstring for rounding, saturation and non-finite input."""
+    x = _checked("quantize", x, wire_format)
+    return row_kernels.quantize_blocks(x, BLOCK[wire_format], wire_format == "mxfp8")
 
 
 def scale_values(scales, wire_format: str):

@@ -103,6 +103,10 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"row_kernels.gather_sum: table and out_dtype must be "
                                          r"float32, bfloat16, float16 or float64, got int32 and float32"):
         row_kernels.gather_sum(jnp.zeros((4, 3), jnp.int32), jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"row_kernels.quantize_rows: x must be a floating \(T, "
+                                         r"H\) array and block 32 or 128, got float32 \(4, 3\) "
+                                         r"and block 64"):
+        row_kernels.quantize_rows(t, 64, False)
     with pytest.raises(ValueError, match=r"row_kernels.gather_sum: weights must have idx's shape "
                                          r"\(2, 2\), got \(2, 3\)"):
         row_kernels.gather_sum(t, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 3)))
@@ -138,6 +142,17 @@ def test_scatter_rows_fill_and_unspecified():
         row_kernels.scatter(table, pos[:3], fill, 7)
     with pytest.raises(ValueError, match=r"row_kernels.scatter: rows must be >= 0, got -1"):
         row_kernels.scatter(table, pos, fill, -1)
+    # a column range: only those columns move (and only they get a cotangent)
+    cols = np.asarray(row_kernels.scatter(table, pos, fill, 7, columns=(1, 3)))
+    np.testing.assert_array_equal(cols[[0, 5, 2, 1, 3, 4]], out[[0, 5, 2, 1, 3, 4]][:, 1:3])
+    d = jax.vjp(lambda t: row_kernels.scatter(t, pos, fill, 7, columns=(1, 3)), table)[1](
+        cot[:, :2])[0]
+    np.testing.assert_allclose(np.asarray(d)[:, 1:3], want[:, :2], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(d)[:, 0], 0.0)
+    with pytest.raises(ValueError, match=r"row_kernels.scatter: columns must be \(start, stop\) "
+                                         r"with 0 <= start <= stop <= the columns of a 2-D table, "
+                                         r"got \(2, 5\) for table \(4, 3\)"):
+        row_kernels.scatter(table, pos, fill, 7, columns=(2, 5))
 
 
 def _stable_ranks(key, num_keys):
@@ -227,6 +242,40 @@ def test_scatter_kernel_bitwise(dtype, width):
     got, want = _both(lambda t, p, f: row_kernels.scatter(t, p, f, C), table,
                       jnp.asarray(pos, jnp.int32), jnp.asarray(fill, jnp.int32))
     defined = np.isin(np.arange(C), np.concatenate([pos[~bad], fill[:40]]))
+    np.testing.assert_array_equal(np.asarray(got)[defined], np.asarray(want)[defined])
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("H", [7168, 100])  # 100: a partial last block
+def test_quantize_rows_kernel_bitwise(fmt, dtype, H):
+    """The FP8 send side: the kernel's wire bytes equal ep_comm.wire's XLA math, bit for bit, on
+    heavy tails, Inf, NaN, zero rows, tiny values and values at e4m3's rounding boundaries."""
+    from ep_comm import wire
+
+    rng = np.random.default_rng(H + 1)
+    x = rng.standard_t(2, (64, H)).astype(np.float32)
+    x[1, 3], x[2, 40], x[3, :] = np.inf, np.nan, 0.0
+    x[4] *= 2.0 ** -120  # near the bottom of the exponent range
+    x[5, :8] = [448.0, 464.0, -480.0, 1.0 + 2 ** -4, 1.0 + 3 * 2 ** -4, 2 ** -9, 3 * 2 ** -10, -0.0]
+    x = jnp.asarray(x, dtype)
+    got, want = _both(lambda a: row_kernels.quantize_rows(a, wire.BLOCK[fmt], fmt == "mxfp8"), x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@gpu_only
+@pytest.mark.parametrize("start,stop", [(0, 7168), (7168, 7392), (3, 100)])
+def test_scatter_columns_kernel_bitwise(start, stop):
+    """Byte rows' column ranges (the FP8 values and scales of return_quantized), aligned and not."""
+    rng = np.random.default_rng(stop)
+    N, K, C = 300, 4, 1400
+    table = jnp.asarray(rng.integers(0, 255, (N, 7392)), jnp.uint8)
+    pos = jnp.asarray(rng.permutation(C)[:N * K].reshape(N, K), jnp.int32).at[0, 0].set(C)
+    fill = jnp.asarray(np.setdiff1d(np.arange(C), np.asarray(pos))[:30], jnp.int32)
+    got, want = _both(lambda t, p, f: row_kernels.scatter(t, p, f, C, columns=(start, stop)),
+                      table, pos, fill)
+    defined = np.isin(np.arange(C), np.concatenate([np.asarray(pos).ravel(), np.asarray(fill)]))
     np.testing.assert_array_equal(np.asarray(got)[defined], np.asarray(want)[defined])
 
 
