@@ -468,9 +468,11 @@ def quantize_blocks(x, block: int, mx: bool):
     finite = jnp.all(jnp.isfinite(xb), axis=2, keepdims=True)
     amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=2, keepdims=True)
     if not mx:
-        scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+        # amax / 448 and x / scale written as the multiplications XLA's simplifier makes of them
+        # (so that the kernel can do the same operations: float32, round to nearest each)
+        scale = jnp.where(amax > 0, amax * np.float32(1.0 / E4M3_MAX), 1.0)
         scale = jnp.where(finite, scale, jnp.nan)
-        q = xb / scale
+        q = xb * (np.float32(1.0) / scale)
         stored = scale[..., 0]
     else:
         # power-of-two scale: 2**(floor(log2(amax)) - 8), exponent clamped to e8m0's range;

@@ -4,7 +4,8 @@ Two formats (``WIRE_FORMATS``), both e4m3 values (``float8_e4m3fn``: 3 mantissa 
 finite 448, no infinity):
 
 - ``"e4m3"``: one float32 scale per 128 elements (DeepEP's layout). ``scale = amax / 448`` of the
-  block, values ``x / scale`` rounded to nearest even; a row of ``H`` elements costs
+  block, values ``x / scale`` rounded to nearest even (in float32 as ``amax * fl(1/448)`` and
+  ``x * (1 / scale)``, the operations XLA makes of the divisions, so every platform agrees); a row of ``H`` elements costs
   ``H + 4 * ceil(H / 128)`` bytes (0.52x of bf16 at H = 7168).
 - ``"mxfp8"``: the OCP Microscaling (MX) v1.0 format: one E8M0 scale per 32 elements, a power of two
   ``X = 2 ** (floor(log2(amax)) - 8)`` (8 = the exponent of e4m3's largest normal), stored as its

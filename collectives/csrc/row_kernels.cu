@@ -636,7 +636,8 @@ ffi::Error ScatterDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer
 // The sender's side of the FP8 wire (ep_comm.wire.pack_rows): each row of x quantized per block of
 // `block` elements into its wire row (H e4m3 bytes, then the scales: float32 "e4m3" or E8M0 bytes
 // "mxfp8"). One warp per block, block / 32 elements per lane; the math is ep_comm.wire's, step
-// for step (IEEE division, exact frexp/ldexp, saturation at 448 keeping NaN, round to nearest even),
+// for step (scale = amax * fl(1/448), x * (1 / scale) with IEEE division, exact frexp/ldexp,
+// saturation at 448 keeping NaN, round to nearest even),
 // so the bytes equal the XLA reference's. A block holding Inf or NaN gets a NaN scale (e4m3) or
 // E8M0's NaN (255) and NaN values.
 
@@ -668,7 +669,7 @@ quantize_rows_kernel(const Tin* __restrict__ x, uint8_t* __restrict__ out, int64
     float scale = 0.0f;
     int exponent = 0;
     if (!mx) {
-      scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+      scale = amax > 0.0f ? amax * (1.0f / 448.0f) : 1.0f;  // as the reference: amax * fl(1/448)
       if (!finite) scale = nan;
     } else {
       int k = 0;
@@ -679,7 +680,7 @@ quantize_rows_kernel(const Tin* __restrict__ x, uint8_t* __restrict__ out, int64
     uint8_t* row = out + t * row_bytes;
     uint8_t q8[4];
     for (int e = 0; e < per_lane; ++e) {
-      float q = mx ? (finite ? ldexpf(v[e], -exponent) : nan) : v[e] / scale;
+      float q = mx ? (finite ? ldexpf(v[e], -exponent) : nan) : v[e] * (1.0f / scale);
       if (!isnan(q)) q = fminf(fmaxf(q, -448.0f), 448.0f);
       q8[e] = __nv_fp8_e4m3(q).__x;
     }
