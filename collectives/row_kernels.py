@@ -19,8 +19,8 @@ reassociation for :func:`gather_sum`).
 - :func:`rank_by_key`: a stable counting sort of integer keys (dispatch's expert-major layout),
   :func:`key_counts` and :func:`key_ranks` its two kernels.
 - :func:`scatter_dequant`: :func:`scatter` of FP8 wire rows, each dequantized once on the way
-  (dispatch's receive side with ``EPConfig(wire_format=...)``), and :func:`quantize_rows` (its
-  send side: rows into FP8 wire rows in one pass).
+  (dispatch's receive side with ``EPConfig(wire_format=...)``; :func:`quantize_blocks` and
+  :func:`dequantize_blocks` are the FP8 formats' math, in XLA).
 
 And :func:`empty`: a buffer for an exchange to receive into, left uninitialised on GPUs (no
 memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
@@ -455,6 +455,7 @@ E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 _E4M3_EMAX = 8  # 448 = 1.75 * 2**8
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
+_F32_TINY = np.float32(2.0 ** -126)  # float32's smallest normal
 
 
 def quantize_blocks(x, block: int, mx: bool):
@@ -465,12 +466,16 @@ def quantize_blocks(x, block: int, mx: bool):
     T, H = x.shape
     nb = -(-H // block)
     xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * block - H))).reshape(T, nb, block)
+    # subnormal inputs count as (signed) zero and no scale is subnormal: no step depends on
+    # whether a platform flushes subnormals (XLA's CPU backend does, IEEE GPU code does not)
+    xb = jnp.where(jnp.abs(xb) < _F32_TINY, jnp.copysign(np.float32(0.0), xb), xb)
     finite = jnp.all(jnp.isfinite(xb), axis=2, keepdims=True)
     amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=2, keepdims=True)
     if not mx:
         # amax / 448 and x / scale written as the multiplications XLA's simplifier makes of them
         # (so that the kernel can do the same operations: float32, round to nearest each)
-        scale = jnp.where(amax > 0, amax * np.float32(1.0 / E4M3_MAX), 1.0)
+        scale = jnp.where(amax > 0, jnp.maximum(amax * np.float32(1.0 / E4M3_MAX), _F32_TINY),
+                          1.0)
         scale = jnp.where(finite, scale, jnp.nan)
         q = xb * (np.float32(1.0) / scale)
         stored = scale[..., 0]
@@ -486,40 +491,6 @@ def quantize_blocks(x, block: int, mx: bool):
     q = jnp.where(jnp.isnan(q), q, jnp.clip(q, -E4M3_MAX, E4M3_MAX))  # saturate, keep NaN
     values = q.reshape(T, -1)[:, :H].astype(jnp.float8_e4m3fn)
     return values, stored
-
-
-def quantize_rows(x, block: int, mx: bool):
-    """``(T, H)`` floating rows as FP8 wire rows: uint8 ``(T, H + scale bytes)``, the e4m3 values
-    then the scales (float32 as 4 bytes each, or E8M0 bytes) of :func:`quantize_blocks`, in one
-    pass on GPUs. Not differentiable (bytes)."""
-    x = jnp.asarray(x)
-    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or block not in (32, 128):
-        raise ValueError(f"row_kernels.quantize_rows: x must be a floating (T, H) array and block "
-                         f"32 or 128, got {x.dtype} {tuple(x.shape)} and block {block}")
-    return quantize_rows_p.bind(x, block=int(block), mx=bool(mx), kernel=_want_kernels())
-
-
-def _quantize_rows_reference(x, *, block, mx, kernel=None):
-    values, scales = quantize_blocks(x, block, mx)
-    T = x.shape[0]
-    tail = scales if mx else jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(T, -1)
-    return jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), tail], axis=1)
-
-
-def _quantize_rows_jvp(primals, tangents, **params):
-    out = quantize_rows_p.bind(*primals, **params)
-    return out, _zero_tangent(out)
-
-
-quantize_rows_p = _primitive(
-    "ep_comm_rows_quantize_rows", _quantize_rows_reference,
-    lambda x, *, block, mx, kernel: x.update(
-        shape=(x.shape[0], x.shape[1] + -(-x.shape[1] // block) * (1 if mx else 4)),
-        dtype=jnp.uint8, weak_type=False),
-    ("block", "mx", "kernel"),
-    ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
-    kernel_fits=lambda ctx, **_: ctx.avals_in[0].dtype in _KERNEL_DTYPES)
-ad.primitive_jvps[quantize_rows_p] = _quantize_rows_jvp
 
 
 def dequantize_blocks(values, scales, block: int, dtype):

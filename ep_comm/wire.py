@@ -15,7 +15,10 @@ finite 448, no infinity):
 
 Policy for non-finite input (both formats): a block holding an Inf or a NaN dequantizes to NaN in
 every element. Nothing is ever clamped silently to a finite value: a non-finite activation stays
-visible after the exchange. All-zero blocks round-trip to exact zeros.
+visible after the exchange. All-zero blocks round-trip to exact zeros. Subnormal inputs
+(``|x| < 2**-126``) count as (signed) zero and an e4m3 scale is never below ``2**-126``, so no
+step depends on whether a platform flushes subnormals (the CPU reference and the GPU kernel agree
+bit for bit).
 
 Error bound per element (``tests/test_wire.py`` asserts it), ``s`` the block's scale: a value
 with ``|x| >= s * 2**-6`` (an e4m3 normal once scaled) is off by at most ``2**-4 * |x|`` (half a unit
@@ -23,10 +26,11 @@ in the last of 3 mantissa bits); a smaller one by at most ``s * 2**-10`` (half t
 spacing ``2**-9``). MXFP8 values beyond ``448 * s`` saturate to it: off by less than
 ``2**-3 * |x|`` (a block's largest value scales to just under 512).
 
-The math lives in :mod:`collectives.row_kernels` (``quantize_blocks``, ``dequantize_blocks``):
-XLA there is the CPU reference, and on GPUs the sender's quantization and the receiver's scatter
-with dequantization run as one kernel each (:func:`collectives.row_kernels.quantize_rows`,
-:func:`collectives.row_kernels.scatter_dequant`), equal to it bit for bit.
+The math lives in :mod:`collectives.row_kernels` (``quantize_blocks``, ``dequantize_blocks``), in
+XLA: the sender's quantization runs as XLA fusions on every platform (a one-kernel version
+measured slower on the H200: 92 us against XLA's 64 us for 4096 x 7168 bf16 rows in e4m3), and the
+receiver's scatter with dequantization as one kernel on GPUs
+(:func:`collectives.row_kernels.scatter_dequant`), equal to the XLA math bit for bit.
 """
 
 from __future__ import annotations
@@ -51,10 +55,13 @@ def check_format(api: str, wire_format) -> None:
 def pack_rows(x, wire_format: str):
     """``(T, H)`` rows as the bytes dispatch sends: the e4m3 values, then the row's scales
     (float32 as 4 bytes each, or e8m0 bytes); ``(T, topology.token_bytes(H, ..., wire_format))``
-    uint8, in one pass on GPUs (:func:`collectives.row_kernels.quantize_rows`). No gradient flows
-    through bytes: dispatch attaches the straight-through one."""
-    x = _checked("pack_rows", x, wire_format)
-    return row_kernels.quantize_rows(x, BLOCK[wire_format], wire_format == "mxfp8")
+    uint8 (XLA fuses the quantization and the packing). No gradient flows through bytes: dispatch
+    attaches the straight-through one."""
+    values, scales = quantize(x, wire_format)
+    T = values.shape[0]
+    tail = scales if wire_format == "mxfp8" else jax.lax.bitcast_convert_type(
+        scales, jnp.uint8).reshape(T, -1)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), tail], axis=1)
 
 
 def unpack_rows(rows, hidden: int, wire_format: str):

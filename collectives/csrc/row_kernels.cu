@@ -16,8 +16,6 @@
 //   ep_comm_rows_scatter_dequant  scatter's FP8 form: each FP8 row (values, then block scales)
 //                            read once, dequantized and written to its rows (the FP8 wire's
 //                            receive side); rows as scatter's.
-//   ep_comm_rows_quantize_rows  rows of x into FP8 wire rows (e4m3 values, then block scales):
-//                            the FP8 wire's send side, ep_comm.wire's math in one pass.
 //   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
 //   ep_comm_rows_key_count   counts[c, k]: entries of chunk c (kRankChunk entries each) with key k
 //                            (a key outside [0, num_keys) counts as num_keys - 1).
@@ -154,6 +152,13 @@ ffi::Error Gather(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S3
 // destinations (dispatch's expand: a received token row into its expert rows), so the traffic is
 // the compulsory bytes: N rows read, the destination rows written.
 
+// Whether a table row has a destination inside [0, m) among its K targets.
+__device__ __forceinline__ bool any_target(const int32_t* p, int K, int64_t m) {
+  bool any = false;
+  for (int k = 0; k < K; ++k) any |= p[k] >= 0 && p[k] < m;
+  return any;
+}
+
 template <typename V>
 __global__ void __launch_bounds__(kThreads)
 scatter_kernel(const V* __restrict__ table, const int32_t* __restrict__ pos,
@@ -171,9 +176,7 @@ scatter_kernel(const V* __restrict__ table, const int32_t* __restrict__ pos,
       continue;
     }
     const int32_t* p = pos + i * K;
-    bool any = false;
-    for (int k = 0; k < K; ++k) any |= p[k] >= 0 && p[k] < m;
-    if (!any) continue;
+    if (!any_target(p, K, m)) continue;
     const V* src = table + i * stride;
     int64_t c = lane;
     for (; c + 3 * lanes < units; c += 4 * lanes) {  // four loads in flight, then K x four stores
@@ -534,9 +537,7 @@ scatter_dequant_kernel(const uint8_t* __restrict__ table, const int32_t* __restr
       continue;
     }
     const int32_t* p = pos + i * K;
-    bool any = false;
-    for (int k = 0; k < K; ++k) any |= p[k] >= 0 && p[k] < m;
-    if (!any) continue;
+    if (!any_target(p, K, m)) continue;
     const uint8_t* src = table + i * row_bytes;
     if (vec) {  // kV values (16 output bytes) per thread and chunk, never straddling a block:
       // consecutive lanes store consecutive 16-byte pieces of each destination row
@@ -627,130 +628,6 @@ ffi::Error ScatterDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer
       break;
     default:
       return ffi::Error::InvalidArgument(where + "the result must be bfloat16, float16 or float32");
-  }
-  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
-  return ffi::Error::Success();
-}
-
-// ---- quantize_rows ------------------------------------------------------------------------------
-// The sender's side of the FP8 wire (ep_comm.wire.pack_rows): each row of x quantized per block of
-// `block` elements into its wire row (H e4m3 bytes, then the scales: float32 "e4m3" or E8M0 bytes
-// "mxfp8"). One warp per block, block / 32 elements per lane; the math is ep_comm.wire's, step
-// for step (scale = amax * fl(1/448), x * (1 / scale) with IEEE division, exact frexp/ldexp,
-// saturation at 448 keeping NaN, round to nearest even),
-// so the bytes equal the XLA reference's. A block holding Inf or NaN gets a NaN scale (e4m3) or
-// E8M0's NaN (255) and NaN values.
-
-template <typename Tin>
-__global__ void __launch_bounds__(kThreads)
-quantize_rows_kernel(const Tin* __restrict__ x, uint8_t* __restrict__ out, int64_t T, int64_t H,
-                     int64_t row_bytes, int block, bool mx, bool vec) {
-  const int lane = threadIdx.x % 32;
-  const int per_lane = block / 32;  // 1 (mxfp8) or 4 (e4m3)
-  const int64_t nb = (H + block - 1) / block;
-  const int64_t warps = int64_t{gridDim.x} * (kThreads / 32);
-  for (int64_t w = int64_t{blockIdx.x} * (kThreads / 32) + threadIdx.x / 32; w < T * nb;
-       w += warps) {
-    const int64_t t = w / nb, b = w % nb;
-    const Tin* src = x + t * H;
-    float v[4];
-    bool finite = true;
-    float amax = 0.0f;
-    for (int e = 0; e < per_lane; ++e) {
-      const int64_t j = b * block + lane * per_lane + e;
-      v[e] = j < H ? to_f32(src[j]) : 0.0f;
-      const bool f = isfinite(v[e]);
-      finite &= f;
-      amax = fmaxf(amax, f ? fabsf(v[e]) : 0.0f);
-    }
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    finite = __all_sync(0xffffffffu, finite);
-    const float nan = __int_as_float(0x7fc00000);
-    float scale = 0.0f;
-    int exponent = 0;
-    if (!mx) {
-      scale = amax > 0.0f ? amax * (1.0f / 448.0f) : 1.0f;  // as the reference: amax * fl(1/448)
-      if (!finite) scale = nan;
-    } else {
-      int k = 0;
-      frexpf(amax > 0.0f ? amax : 1.0f, &k);
-      exponent = amax > 0.0f ? k - 1 - 8 : -127;
-      exponent = min(max(exponent, -127), 127);
-    }
-    uint8_t* row = out + t * row_bytes;
-    uint8_t q8[4];
-    for (int e = 0; e < per_lane; ++e) {
-      float q = mx ? (finite ? ldexpf(v[e], -exponent) : nan) : v[e] * (1.0f / scale);
-      if (!isnan(q)) q = fminf(fmaxf(q, -448.0f), 448.0f);
-      q8[e] = __nv_fp8_e4m3(q).__x;
-    }
-    const int64_t j0 = b * block + lane * per_lane;
-    if (vec && per_lane == 4) {
-      uint32_t packed;
-      memcpy(&packed, q8, 4);
-      *reinterpret_cast<uint32_t*>(row + j0) = packed;
-    } else {
-      for (int e = 0; e < per_lane; ++e) {
-        if (j0 + e < H) row[j0 + e] = q8[e];
-      }
-    }
-    if (lane == 0) {
-      if (mx) {
-        row[H + b] = finite ? static_cast<uint8_t>(exponent + 127) : 255;
-      } else {
-        uint8_t bytes[4];
-        memcpy(bytes, &scale, 4);
-        for (int i = 0; i < 4; ++i) row[H + 4 * b + i] = bytes[i];
-      }
-    }
-  }
-}
-
-template <typename Tin>
-cudaError_t launch_quantize_rows(cudaStream_t s, const void* x, uint8_t* out, int64_t T, int64_t H,
-                                 int64_t row_bytes, int block, bool mx) {
-  // whole 4-byte value groups, 4-byte aligned, when every block is full
-  const bool vec = H % block == 0 && row_bytes % 4 == 0 && aligned(out, 4);
-  const int64_t nb = (H + block - 1) / block;
-  quantize_rows_kernel<Tin><<<grid_for(T * nb, kThreads / 32), kThreads, 0, s>>>(
-      static_cast<const Tin*>(x), out, T, H, row_bytes, block, mx, vec);
-  return cudaGetLastError();
-}
-
-ffi::Error QuantizeRows(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                        int64_t block, int64_t mx) {
-  const std::string where = "ep_comm rows quantize_rows: ";
-  const auto xdims = x.dimensions();
-  const auto odims = out->dimensions();
-  if (xdims.size() != 2 || odims.size() != 2 || odims[0] != xdims[0] ||
-      out->element_type() != ffi::DataType::U8 || (block != 32 && block != 128)) {
-    return ffi::Error::InvalidArgument(where + "x must be (T, H), the result (T, row bytes) "
-                                       "uint8 and block 32 or 128");
-  }
-  const int64_t T = xdims[0], H = xdims[1], row_bytes = odims[1];
-  const int64_t nb = (H + block - 1) / block;
-  if (row_bytes != H + nb * (mx ? 1 : 4)) {
-    return ffi::Error::InvalidArgument(where + "rows of " + std::to_string(row_bytes) +
-                                       " bytes do not hold " + std::to_string(H) +
-                                       " values and their scales (block " +
-                                       std::to_string(block) + ")");
-  }
-  if (T == 0 || H == 0) return ffi::Error::Success();
-  uint8_t* o = static_cast<uint8_t*>(out->untyped_data());
-  const int blk = static_cast<int>(block);
-  cudaError_t e;
-  switch (x.element_type()) {
-    case ffi::DataType::BF16:
-      e = launch_quantize_rows<__nv_bfloat16>(stream, x.untyped_data(), o, T, H, row_bytes, blk, mx);
-      break;
-    case ffi::DataType::F16:
-      e = launch_quantize_rows<__half>(stream, x.untyped_data(), o, T, H, row_bytes, blk, mx);
-      break;
-    case ffi::DataType::F32:
-      e = launch_quantize_rows<float>(stream, x.untyped_data(), o, T, H, row_bytes, blk, mx);
-      break;
-    default:
-      return ffi::Error::InvalidArgument(where + "x must be bfloat16, float16 or float32");
   }
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
@@ -972,14 +849,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatterDequant, ScatterDequant,
                                   .Attr<int64_t>("block")        // values per scale
                                   .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kQuantizeRows, QuantizeRows,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()   // x (T, H)
-                                  .Ret<ffi::AnyBuffer>()   // wire rows (T, row bytes) uint8
-                                  .Attr<int64_t>("block")  // values per scale: 128 or 32
-                                  .Attr<int64_t>("mx"));   // 1: E8M0 scales, 0: float32
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kEmpty, Empty,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));
 
@@ -1025,7 +894,6 @@ void* gather_sum_handler() { return reinterpret_cast<void*>(kGatherSum); }
 void* empty_handler() { return reinterpret_cast<void*>(kEmpty); }
 void* scatter_dequant_handler() { return reinterpret_cast<void*>(kScatterDequant); }
 void* scatter_handler() { return reinterpret_cast<void*>(kScatter); }
-void* quantize_rows_handler() { return reinterpret_cast<void*>(kQuantizeRows); }
 void* key_count_handler() { return reinterpret_cast<void*>(kKeyCount); }
 void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }
 

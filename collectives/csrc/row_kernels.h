@@ -10,7 +10,6 @@ void* gather_sum_handler();  // XLA FFI handler ep_comm_rows_gather_sum
 void* empty_handler();       // XLA FFI handler ep_comm_rows_empty
 void* scatter_dequant_handler();  // XLA FFI handler ep_comm_rows_scatter_dequant
 void* scatter_handler();     // XLA FFI handler ep_comm_rows_scatter
-void* quantize_rows_handler();  // XLA FFI handler ep_comm_rows_quantize_rows
 void* key_count_handler();   // XLA FFI handler ep_comm_rows_key_count
 void* key_rank_handler();    // XLA FFI handler ep_comm_rows_key_rank
 int64_t selftest();          // the kernels on malformed indices outside XLA: wrong values, or -1

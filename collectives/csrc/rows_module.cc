@@ -13,8 +13,6 @@ NB_MODULE(_ep_rows, m) {
   m.def("scatter_dequant_handler",
         []() { return nb::capsule(ep_comm::rows::scatter_dequant_handler()); });
   m.def("scatter_handler", []() { return nb::capsule(ep_comm::rows::scatter_handler()); });
-  m.def("quantize_rows_handler",
-        []() { return nb::capsule(ep_comm::rows::quantize_rows_handler()); });
   m.def("key_count_handler", []() { return nb::capsule(ep_comm::rows::key_count_handler()); });
   m.def("key_rank_handler", []() { return nb::capsule(ep_comm::rows::key_rank_handler()); });
   m.def("selftest", &ep_comm::rows::selftest,
