@@ -3,8 +3,8 @@
 Each primitive here is lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
 ``_ep_rows``) on GPUs where it is built, and to XLA everywhere else (:func:`_primitive` defines
 that choice once); the XLA lowering is the reference the kernels equal
-(``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, scatter and counting sort, to float32
-reassociation for :func:`gather_sum`).
+(``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, scatters and the
+counting sort, to float32 reassociation for :func:`gather_sum`).
 
 - :func:`gather`: ``out[i] = table[idx[i]]``, rows of any dtype (FP8 rows as bytes too). A row
   with a negative index is zero; a row with an index ``>= len(table)`` is *unspecified*: the kernel
@@ -183,7 +183,7 @@ def scatter(table, pos, fill, rows: int, columns=None):
     at most one entry of ``pos`` and not also be filled.
     ``table``: ``(N, ...)``; ``pos``: ``(N, K)`` integer; ``fill``: ``(F,)`` integer;
     ``columns``: ``(start, stop)``, a 2-D table's columns to move (``table[n, start:stop]``; the
-    kernel reads only those bytes), or None for whole rows.
+    kernel, for byte tables, reads only those bytes), or None for whole rows.
 
     Each table row is read once and written to its destinations: dispatch's expand of a received
     token into its expert rows moves exactly the compulsory bytes. Linear in the table; its
@@ -473,7 +473,7 @@ def quantize_blocks(x, block: int, mx: bool):
     amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=2, keepdims=True)
     if not mx:
         # amax / 448 and x / scale written as the multiplications XLA's simplifier makes of them
-        # (so that the kernel can do the same operations: float32, round to nearest each)
+        # anyway (float32, each rounded to nearest), so the math is explicit wherever it runs
         scale = jnp.where(amax > 0, jnp.maximum(amax * np.float32(1.0 / E4M3_MAX), _F32_TINY),
                           1.0)
         scale = jnp.where(finite, scale, jnp.nan)

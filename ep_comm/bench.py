@@ -26,8 +26,9 @@ received (token, expert) pair, combine the reverse; the busiest rank's count); w
 pipelined time over it (what is not kernel time: launch gaps, host work, waits); for dispatch
 ``prog`` is its time inside a jitted program of 20 dispatches (:func:`in_program`: a model step's
 view, without the per-call jit dispatch and handle outputs a standalone call pays on the host) and
-``prog/kern`` that time over the kernel time per dispatch in the same program's trace. With ``--wire-formats``, ``q`` rows time dispatch with
-``return_quantized=True`` (FP8 values and scales for an FP8 grouped GEMM, no dequantize).
+``prog/kern`` that time over the kernel time per dispatch in the same program's trace. With
+``--wire-formats``, ``q`` rows time dispatch with ``return_quantized=True`` (FP8 values and
+scales for an FP8 grouped GEMM, no dequantize).
 
 Plans: ``--topology 2x4 --plans flat,hierarchical`` runs both exchange plans on a (simulated)
 machine; ``net`` is the busiest rank's network bytes as dispatch counted them

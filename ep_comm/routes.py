@@ -193,7 +193,7 @@ def local_route(cfg, x, route, dest, tok, kept) -> Route:
     """The flat route when :func:`is_local`: no pack and no exchange (a self-copy), the receive
     buffer is ``x`` itself, row ``t`` token ``t`` (a token without an expert here has routing -1);
     so dispatch's expand is the only pass over the rows. The leg still describes the (self)
-    traffic, for ``EPHandle.traffic`` and ``link_rows``."""
+    traffic, for ``link_rows``; the handle carries no legs (combine has nothing to reverse)."""
     T, K = cfg.tokens_per_rank, cfg.topk
     ok = dest == 0
     buf_route = jnp.concatenate([jnp.where(ok, route[:, :K], 0.0),

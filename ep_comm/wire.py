@@ -5,7 +5,7 @@ finite 448, no infinity):
 
 - ``"e4m3"``: one float32 scale per 128 elements (DeepEP's layout). ``scale = amax / 448`` of the
   block, values ``x / scale`` rounded to nearest even (in float32 as ``amax * fl(1/448)`` and
-  ``x * (1 / scale)``, the operations XLA makes of the divisions, so every platform agrees); a row of ``H`` elements costs
+  ``x * (1 / scale)``, the operations XLA makes of the divisions); a row of ``H`` elements costs
   ``H + 4 * ceil(H / 128)`` bytes (0.52x of bf16 at H = 7168).
 - ``"mxfp8"``: the OCP Microscaling (MX) v1.0 format: one E8M0 scale per 32 elements, a power of two
   ``X = 2 ** (floor(log2(amax)) - 8)`` (8 = the exponent of e4m3's largest normal), stored as its
@@ -17,8 +17,7 @@ Policy for non-finite input (both formats): a block holding an Inf or a NaN dequ
 every element. Nothing is ever clamped silently to a finite value: a non-finite activation stays
 visible after the exchange. All-zero blocks round-trip to exact zeros. Subnormal inputs
 (``|x| < 2**-126``) count as (signed) zero and an e4m3 scale is never below ``2**-126``, so no
-step depends on whether a platform flushes subnormals (the CPU reference and the GPU kernel agree
-bit for bit).
+step depends on whether a platform flushes subnormals (every platform sends the same bytes).
 
 Error bound per element (``tests/test_wire.py`` asserts it), ``s`` the block's scale: a value
 with ``|x| >= s * 2**-6`` (an e4m3 normal once scaled) is off by at most ``2**-4 * |x|`` (half a unit
@@ -85,22 +84,17 @@ def from_bytes(values, scales, wire_format: str):
     return values, jax.lax.bitcast_convert_type(scales.reshape(M, -1, 4), jnp.float32)
 
 
-def _checked(api, x, wire_format):
-    if wire_format not in WIRE_FORMATS[1:]:
-        raise ValueError(f"{api}: wire_format must be one of {WIRE_FORMATS[1:]}, "
-                         f"got {wire_format!r}")
-    x = jnp.asarray(x)
-    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{api}: x must be a floating array of shape (tokens, hidden), got "
-                         f"{x.dtype} {tuple(x.shape)}")
-    return x
-
-
 def quantize(x, wire_format: str):
     """``(values, scales)`` of a ``(T, H)`` floating array: ``values`` ``(T, H)`` float8_e4m3fn,
     ``scales`` ``(T, ceil(H / block))``: float32 (``"e4m3"``) or uint8 biased exponents
     (``"mxfp8"``). See the module docstring for rounding, saturation and non-finite input."""
-    x = _checked("quantize", x, wire_format)
+    if wire_format not in WIRE_FORMATS[1:]:
+        raise ValueError(f"quantize: wire_format must be one of {WIRE_FORMATS[1:]}, "
+                         f"got {wire_format!r}")
+    x = jnp.asarray(x)
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"quantize: x must be a floating array of shape (tokens, hidden), got "
+                         f"{x.dtype} {tuple(x.shape)}")
     return row_kernels.quantize_blocks(x, BLOCK[wire_format], wire_format == "mxfp8")
 
 
