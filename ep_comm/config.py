@@ -12,7 +12,7 @@ import numpy as np
 import collectives
 from ep_comm.placement import ExpertPlacement
 from topology import PLANS, WIRE_FORMATS, CostModel, Topology, row_bytes
-from topology.checks import positive_int
+from topology.checks import dtype_arg, positive_int
 
 OVERFLOW_MODES = ("count", "raise")
 PLAN_CHOICES = ("auto", *PLANS)
@@ -197,8 +197,9 @@ class EPConfig:
         positive_int(owner, "hidden", hidden)
         if plan not in PLANS:
             raise ValueError(f"{owner}: plan must be 'flat' or 'hierarchical', got {plan!r}")
-        b = np.dtype(dtype).itemsize
-        row, _ = row_bytes(hidden, dtype, self.topk, wire_format=self.wire_format)  # + routing
+        b = dtype_arg(owner, "dtype", dtype).itemsize
+        row, _ = row_bytes(hidden, dtype, self.topk, wire_format=self.wire_format,
+                           owner=owner)  # + routing
         out = {
             "recv_tokens": self.recv_token_rows * row,
             "expert_x": self.expert_rows * hidden * b,

@@ -9,7 +9,7 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, seed, settings, strategies as st
+from hypothesis import HealthCheck, event, given, seed, settings, strategies as st
 
 import ep_comm
 import topology
@@ -17,7 +17,7 @@ from conftest import BASE_SEED
 from moe_reference import Reference
 
 EXAMPLES = {"EPConfig": 300, "dispatch_layout": 100, "dispatch/combine": 10,
-            "ragged_all_to_all": 12, "ragged_all_to_all errors": 60}
+            "ragged_all_to_all": 12, "ragged_all_to_all errors": 60, "topology": 300}
 
 
 def _settings(n):
@@ -204,3 +204,69 @@ def test_ragged_all_to_all_rejects_malformed_calls(sharded, n, defects, grouped,
         assert defects, e
         return
     assert not defects, f"{sorted(defects)} traced without an error"
+
+
+@seed(BASE_SEED)
+@_settings(EXAMPLES["topology"])
+@given(case=st.integers(0, 2 ** 32 - 1))
+def test_topology_counts_or_raises(case):
+    """``simulated``, ``token_bytes``, ``row_bytes`` and ``count_traffic`` on random arguments,
+    each bad one time in twelve (non-positive or non-int sizes, unknown dtypes, formats and
+    plans): each call raises a ValueError/TypeError naming itself, or counts what a numpy
+    reference counts (dispatch rows per rank: a token once per rank holding one of its valid
+    experts)."""
+    import topology
+
+    rng = np.random.default_rng(case)
+
+    def pick(good, bad):  # a bad value one time in twelve
+        values = bad if rng.random() < 1 / 12 else good
+        return values[rng.integers(len(values))]
+
+    nodes, gpus = pick([1, 2, 3], [0, -1, 2.0]), pick([1, 2, 4], [0, "2"])
+    hidden = pick([1, 7, 128, 300], [0, -4, 2.5, None, "8"])
+    dtype = pick(["bfloat16", "float32", "int8"], ["nonsense", None])
+    combine = pick([None, "float32"], ["nonsense", 3])
+    wire = pick([None, "e4m3", "mxfp8"], ["fp4", 1])
+    plan = pick(["flat", "hierarchical"], ["ring", None])
+    topk = pick([1, 2, 3], [0, -1])
+    capacity = pick([None, None, 1, 5], [0, -1, 1.5])
+    try:
+        topo = topology.simulated(nodes, gpus)
+    except (ValueError, TypeError) as e:
+        assert str(e).startswith("simulated: "), e
+        return
+    is_count = lambda v: type(v) is int and v >= 1  # noqa: E731
+    row_ok = is_count(hidden) and dtype in ("bfloat16", "float32", "int8") and wire in (
+        None, "e4m3", "mxfp8")
+    both_ok = row_ok and is_count(topk) and combine in (None, "float32")
+    for fn, args, ok in ((topology.token_bytes, (hidden, dtype, wire), row_ok),
+                         (topology.row_bytes, (hidden, dtype, topk, combine, wire), both_ok)):
+        try:
+            got = fn(*args)
+        except (ValueError, TypeError) as e:
+            assert str(e).startswith(f"{fn.__name__}: ") and not ok, e
+        else:
+            assert ok and np.all(np.asarray(got) >= 1), (fn.__name__, args, got)
+    n = topo.num_ranks
+    experts = pick([n, 2 * n, 4 * n], [0, n + 1 if n > 1 else -1, 2.0 * n])
+    traffic_ok = (both_ok and plan in ("flat", "hierarchical") and is_count(experts)
+                  and experts % n == 0 and (capacity is None or is_count(capacity)))
+    ids = rng.integers(-3, 4 * n + 3, (n, int(rng.integers(0, 4)), max(topk, 0)))
+    try:
+        traffic = topology.count_traffic(ids, num_experts=experts, topology=topo, hidden=hidden,
+                                         dtype=dtype, plan=plan, combine_dtype=combine,
+                                         recv_token_rows=capacity, wire_format=wire)
+    except (ValueError, TypeError) as e:
+        assert str(e).startswith("count_traffic: ") and not traffic_ok, e
+        event("count_traffic raised")
+        return
+    assert traffic_ok, (experts, capacity, plan)
+    event("count_traffic counted")
+    L, T = experts // n, ids.shape[1]
+    if plan == "flat" and capacity is None:
+        valid = (ids >= 0) & (ids < experts)
+        want = [sum(len({int(i) // L for i in ids[s, t][valid[s, t]]}) for t in range(T))
+                for s in range(n)]
+        np.testing.assert_array_equal(traffic.rows_by_link("dispatch").sum(axis=1), want)
+    assert traffic.bytes_by_link().min() >= 0

@@ -128,8 +128,11 @@ def test_bad_input():
             "quantize: x must be a floating array of shape (tokens, hidden), got int32 (4,)")):
         wire.quantize(jnp.ones((4,), jnp.int32), "e4m3")
     with pytest.raises(ValueError, match=re.escape(
-            "wire_format must be one of (None, 'e4m3', 'mxfp8'), got 'bf8'")):
+            "token_bytes: wire_format must be one of (None, 'e4m3', 'mxfp8'), got 'bf8'")):
         topology.token_bytes(16, jnp.bfloat16, "bf8")
+    with pytest.raises(TypeError, match=re.escape(
+            "row_bytes: combine_dtype must be a dtype, got 'nonsense'")):
+        topology.row_bytes(16, jnp.bfloat16, 2, "nonsense")
 
 
 # ---- FP8 rows through dispatch (EPConfig.wire_format) ---------------------------------------------

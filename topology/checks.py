@@ -17,6 +17,17 @@ def positive_int(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
 
 
+def dtype_arg(owner: str, name: str, value) -> np.dtype:
+    """``value`` as a numpy dtype (JAX's and ml_dtypes' included); raise
+    ``TypeError("{owner}: {name} must be a dtype, got ...")`` for None or anything else."""
+    try:
+        if value is None:
+            raise TypeError
+        return np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{owner}: {name} must be a dtype, got {value!r}") from None
+
+
 def int_in_range(owner: str, name: str, value, lo: int, hi: int) -> None:
     """Raise ``ValueError("{owner}: {name} must be an int in [lo, hi], got ...")`` unless ``value``
     is an integer in ``[lo, hi]``."""

@@ -27,6 +27,7 @@ from math import comb
 
 import numpy as np
 
+from topology.checks import dtype_arg, positive_int
 from topology.machine import LINK_CLASSES, Topology
 
 PLANS = ("flat", "hierarchical")
@@ -36,12 +37,15 @@ WIRE_FORMATS = (None, "e4m3", "mxfp8")
 _WIRE_BLOCK = {"e4m3": (128, 4), "mxfp8": (32, 1)}  # elements per scale, bytes per scale
 
 
-def token_bytes(hidden: int, dtype, wire_format=None) -> int:
+def token_bytes(hidden: int, dtype, wire_format=None, *, owner: str = "token_bytes") -> int:
     """Bytes of one token row on the wire, scales included."""
+    positive_int(owner, "hidden", hidden)
+    itemsize = dtype_arg(owner, "dtype", dtype).itemsize
     if wire_format not in WIRE_FORMATS:
-        raise ValueError(f"wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
+        raise ValueError(f"{owner}: wire_format must be one of {WIRE_FORMATS}, got "
+                         f"{wire_format!r}")
     if wire_format is None:
-        return hidden * np.dtype(dtype).itemsize
+        return hidden * itemsize
     block, per_scale = _WIRE_BLOCK[wire_format]
     return hidden + -(-hidden // block) * per_scale
 
@@ -124,12 +128,15 @@ def _check_plan(plan: str, owner: str) -> None:
 
 
 def row_bytes(hidden: int, dtype, topk: int, combine_dtype=None,
-              wire_format=None) -> tuple[int, int]:
+              wire_format=None, *, owner: str = "row_bytes") -> tuple[int, int]:
     """Bytes of one dispatch row (the token as ``wire_format`` sends it: ``hidden`` elements of
     ``dtype``, or FP8 with its scales; and ``2 * topk`` float32 of routing) and of one combine row
     (``hidden`` elements of ``combine_dtype``, default ``dtype``)."""
-    wire = np.dtype(combine_dtype if combine_dtype is not None else dtype).itemsize
-    return token_bytes(hidden, dtype, wire_format) + 2 * topk * 4, hidden * wire
+    positive_int(owner, "topk", topk)
+    token = token_bytes(hidden, dtype, wire_format, owner=owner)
+    wire = dtype_arg(owner, "combine_dtype" if combine_dtype is not None else "dtype",
+                     combine_dtype if combine_dtype is not None else dtype).itemsize
+    return token + 2 * topk * 4, hidden * wire
 
 
 def _legs(plan: str, topology: Topology, kept: np.ndarray, node_tok: np.ndarray,
@@ -168,6 +175,9 @@ def count_matrices(topk_ids, num_experts: int, topology: Topology,
     ids = _ids_array(topk_ids)
     n, T, K = ids.shape
     topology.check_ranks(n, "count_traffic")
+    positive_int("count_traffic", "num_experts", num_experts)
+    if recv_token_rows is not None:
+        positive_int("count_traffic", "recv_token_rows", recv_token_rows)
     if num_experts % n:
         raise ValueError(f"count_traffic: num_experts={num_experts} must be divisible by the "
                          f"{n} ranks")
@@ -209,8 +219,9 @@ def count_traffic(topk_ids, *, num_experts: int, topology: Topology, hidden: int
       wire_format: dispatch's token format on the wire (:data:`WIRE_FORMATS`).
     """
     _check_plan(plan, "count_traffic")
+    K = _ids_array(topk_ids).shape[2]
+    row_bytes(hidden, dtype, K, combine_dtype, wire_format, owner="count_traffic")  # the checks
     m = count_matrices(topk_ids, num_experts, topology, recv_token_rows)
-    K = np.asarray(topk_ids).shape[2]
     return Traffic(plan, topology, _legs(plan, topology, m["kept"], m["node_tok"],
                                          m["fwd"], hidden, dtype, K, combine_dtype,
                                          wire_format))
@@ -228,6 +239,10 @@ def expected_traffic(*, num_experts: int, topk: int, tokens_per_rank: int, topol
     """Expected traffic when every token picks ``topk`` distinct experts uniformly at random
     (balanced routing, no capacity limit): the rows matrices hold expectations (floats)."""
     _check_plan(plan, "expected_traffic")
+    for name, value in (("num_experts", num_experts), ("topk", topk),
+                        ("tokens_per_rank", tokens_per_rank)):
+        positive_int("expected_traffic", name, value)
+    row_bytes(hidden, dtype, topk, combine_dtype, wire_format, owner="expected_traffic")
     n = topology.num_ranks
     N, G = topology.shape
     if num_experts % n:
