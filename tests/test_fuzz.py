@@ -17,7 +17,7 @@ from conftest import BASE_SEED
 from moe_reference import Reference
 
 EXAMPLES = {"EPConfig": 300, "dispatch_layout": 100, "dispatch/combine": 10,
-            "ragged_all_to_all": 12, "ragged_all_to_all errors": 60, "topology": 300}
+            "ragged_all_to_all": 12, "ragged_all_to_all errors": 60, "topology": 300, "moe_layer": 8}
 
 
 def _settings(n):
@@ -270,3 +270,27 @@ def test_topology_counts_or_raises(case):
                 for s in range(n)]
         np.testing.assert_array_equal(traffic.rows_by_link("dispatch").sum(axis=1), want)
     assert traffic.bytes_by_link().min() >= 0
+
+
+@seed(BASE_SEED)
+@_settings(EXAMPLES["moe_layer"])
+@given(kind=st.sampled_from(["random", "skewed", "masked", "one_expert"]), shared=st.booleans(),
+       capacity=st.sampled_from([None, 2, 4]), case=st.integers(0, 2 ** 32 - 1))
+def test_moe_layer_matches_the_dense_model(sharded, n, kind, shared, capacity, case):
+    """``moe_layer`` (output and every gradient) on random routings, with and without a shared
+    expert, dropless in one round or in rounds of a half or a quarter of a balanced step's pairs,
+    against the dense float64 model."""
+    import test_layer as tl
+
+    rng = np.random.default_rng(case)
+    x, ids, w, w_in, w_out, s_in, s_out, cot = tl.layer_inputs(rng, n, kind)
+    cfg = tl.layer_config(n, recv_capacity=None if capacity is None
+                          else tl.T * tl.K // capacity)
+    got = sharded.get(tl.layer_program(sharded, cfg, shared)(
+        *sharded.put(x, ids, w, w_in, w_out), sharded.put_replicated(s_in),
+        sharded.put_replicated(s_out), sharded.put(cot)))
+    want = tl.dense_reference(x, ids, w, w_in, w_out, s_in, s_out, cot, shared)
+    for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out", "d shared_w_in",
+                           "d shared_w_out"), got, want):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 * (1 + np.abs(r).max()),
+                                   err_msg=f"{name} ({kind}, capacity 1/{capacity})")
