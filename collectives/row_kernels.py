@@ -267,6 +267,11 @@ RANK_CHUNK = 256      # entries per chunk of the counting sort (the kernels' kRa
 MAX_RANK_KEYS = 12288  # keys whose running counts fit a block's shared memory (the kernels')
 
 
+def _chunks(m: int) -> int:
+    """Chunks of :data:`RANK_CHUNK` entries covering ``m``."""
+    return -(-m // RANK_CHUNK)
+
+
 def rank_by_key(key, num_keys: int):
     """A stable counting sort of integer keys in ``[0, num_keys)`` (others count as
     ``num_keys - 1``): ``(rank, order, counts)``, ``rank[i]`` entry ``i``'s position in the order
@@ -304,7 +309,7 @@ def key_ranks(key, base):
     positions no rank names unspecified. ``base``: ``(ceil(M / RANK_CHUNK), num_keys)``."""
     key = jnp.asarray(key).astype(jnp.int32)
     base = jnp.asarray(base).astype(jnp.int32)
-    chunks = -(-key.shape[0] // RANK_CHUNK)
+    chunks = _chunks(key.shape[0])
     if key.ndim != 1 or base.ndim != 2 or base.shape[0] != chunks or base.shape[1] < 1:
         raise ValueError(f"row_kernels.key_ranks: key must be 1-D and base (ceil(M / "
                          f"{RANK_CHUNK}), num_keys), got key {tuple(key.shape)} and base "
@@ -323,7 +328,7 @@ def _chunk_and_key(key, num_keys):
 def _key_count_reference(key, *, num_keys, kernel=None):
     del kernel
     chunk, k = _chunk_and_key(key, num_keys)
-    chunks = -(-key.shape[0] // RANK_CHUNK)
+    chunks = _chunks(key.shape[0])
     return jnp.zeros((chunks, num_keys), jnp.int32).at[chunk, k].add(1)
 
 
@@ -345,7 +350,7 @@ def _key_rank_reference(key, base, *, kernel=None):
 key_count_p = _primitive(
     "ep_comm_rows_key_count", _key_count_reference,
     lambda key, *, num_keys, kernel: key.update(
-        shape=(-(-key.shape[0] // RANK_CHUNK), num_keys), dtype=jnp.int32, weak_type=False),
+        shape=(_chunks(key.shape[0]), num_keys), dtype=jnp.int32, weak_type=False),
     ("num_keys", "kernel"), kernel_fits=lambda ctx, *, num_keys, kernel: num_keys <= MAX_RANK_KEYS)
 key_rank_p = _primitive(
     "ep_comm_rows_key_rank", _key_rank_reference,
@@ -504,16 +509,26 @@ def dequantize_blocks(values, scales, block: int, dtype):
     return jnp.where(jnp.isnan(s), jnp.nan, vb * s).reshape(T, -1)[:, :H].astype(dtype)
 
 
+def scale_bytes(hidden: int, block: int, mx: bool) -> int:
+    """Bytes of an FP8 wire row's scales: one E8M0 byte (``mx``) or float32 per block."""
+    return -(-hidden // block) * (1 if mx else 4)
+
+
+def fp8_from_bytes(values, scales, mx: bool):
+    """``(values, scales)`` typed (float8_e4m3fn; uint8 E8M0 with ``mx``, else float32) from
+    their wire bytes ``(M, H)`` and ``(M, scale bytes)`` uint8 (bitcasts: no pass over rows)."""
+    values = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+    if mx:
+        return values, scales
+    return values, jax.lax.bitcast_convert_type(scales.reshape(scales.shape[0], -1, 4),
+                                                jnp.float32)
+
+
 def split_fp8_rows(rows, hidden: int, block: int, mx: bool):
     """``(values, scales)`` of FP8 wire rows (``hidden`` e4m3 bytes, then the block scales:
     E8M0 bytes with ``mx``, else float32 as 4 bytes each); scales as stored (uint8 or float32)."""
-    M = rows.shape[0]
-    nb = -(-hidden // block)
-    values = jax.lax.bitcast_convert_type(rows[:, :hidden], jnp.float8_e4m3fn)
-    tail = rows[:, hidden:]
-    if mx:
-        return values, tail[:, :nb]
-    return values, jax.lax.bitcast_convert_type(tail[:, :4 * nb].reshape(M, nb, 4), jnp.float32)
+    return fp8_from_bytes(rows[:, :hidden], rows[:, hidden:hidden + scale_bytes(hidden, block, mx)],
+                          mx)
 
 
 def scatter_dequant(table, pos, fill, rows: int, *, hidden: int, block: int, mx: bool, dtype):
@@ -524,8 +539,7 @@ def scatter_dequant(table, pos, fill, rows: int, *, hidden: int, block: int, mx:
     table = jnp.asarray(table)
     pos = jnp.asarray(pos).astype(jnp.int32)
     fill = jnp.asarray(fill).astype(jnp.int32)
-    nb = -(-hidden // block)
-    need = hidden + nb * (1 if mx else 4)
+    need = hidden + scale_bytes(hidden, block, mx)
     if (table.dtype != jnp.uint8 or table.ndim != 2 or table.shape[1] < need or pos.ndim != 2
             or pos.shape[0] != table.shape[0] or fill.ndim != 1):
         raise ValueError(f"row_kernels.scatter_dequant: table must be uint8 (N, >= {need}), pos "

@@ -92,15 +92,16 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     fill = (jnp.where(q >= filled, q, -1) if cfg.zero_fill
             else filled + jnp.arange(min(ZERO_TAIL_ROWS, C), dtype=i32))
     targets = expert_rows_read(recv_pos, C)
+    if cfg.wire_format is not None:
+        block, mx = wire.BLOCK[cfg.wire_format], cfg.wire_format == "mxfp8"
     if dequantize_to is not None:  # FP8 rows: each dequantized once, on the way
         hidden, dtype = dequantize_to
         expert_x = row_kernels.scatter_dequant(buf_x, targets, fill, C, hidden=hidden,
-                                               block=wire.BLOCK[cfg.wire_format],
-                                               mx=cfg.wire_format == "mxfp8", dtype=dtype)
+                                               block=block, mx=mx, dtype=dtype)
     elif split_at is not None:  # FP8 rows kept: their values and scales bytes, apart
-        scale_bytes = wire.scale_bytes(split_at, cfg.wire_format)
+        end = split_at + row_kernels.scale_bytes(split_at, block, mx)
         expert_x = tuple(row_kernels.scatter(buf_x, targets, fill, C, columns=c)
-                         for c in ((0, split_at), (split_at, split_at + scale_bytes)))
+                         for c in ((0, split_at), (split_at, end)))
     else:
         expert_x = row_kernels.scatter(buf_x, targets, fill, C)
 

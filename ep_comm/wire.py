@@ -65,23 +65,13 @@ def pack_rows(x, wire_format: str):
 
 def unpack_rows(rows, hidden: int, wire_format: str):
     """``(values, scales)`` of rows :func:`pack_rows` made (all-zero rows give zeros)."""
-    return from_bytes(rows[:, :hidden], rows[:, hidden:hidden + scale_bytes(hidden, wire_format)],
-                      wire_format)
-
-
-def scale_bytes(hidden: int, wire_format: str) -> int:
-    """Bytes of a row's scales: one float32 (``"e4m3"``) or one E8M0 byte per block."""
-    return -(-hidden // BLOCK[wire_format]) * (1 if wire_format == "mxfp8" else 4)
+    return row_kernels.split_fp8_rows(rows, hidden, BLOCK[wire_format], wire_format == "mxfp8")
 
 
 def from_bytes(values, scales, wire_format: str):
     """``(values, scales)`` typed (float8_e4m3fn; float32 or uint8 E8M0) from their wire bytes
     ``(M, H)`` and ``(M, scale bytes)`` uint8 (bitcasts: no pass over the rows)."""
-    M = values.shape[0]
-    values = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
-    if wire_format == "mxfp8":
-        return values, scales
-    return values, jax.lax.bitcast_convert_type(scales.reshape(M, -1, 4), jnp.float32)
+    return row_kernels.fp8_from_bytes(values, scales, wire_format == "mxfp8")
 
 
 def quantize(x, wire_format: str):

@@ -270,6 +270,9 @@ ffi::Error Scatter(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S
 
 constexpr int kRankChunk = 256;
 
+// Chunks of kRankChunk entries covering m.
+int64_t rank_chunks(int64_t m) { return (m + kRankChunk - 1) / kRankChunk; }
+
 __device__ __forceinline__ int32_t clamp_key(int32_t k, int32_t num_keys) {
   return k >= 0 && k < num_keys ? k : num_keys - 1;
 }
@@ -322,7 +325,7 @@ key_rank_kernel(const int32_t* __restrict__ key, const int32_t* __restrict__ bas
 
 cudaError_t launch_key_count(cudaStream_t s, const int32_t* key, int32_t* counts, int64_t m,
                              int32_t num_keys) {
-  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  const int64_t chunks = rank_chunks(m);
   if (chunks == 0) return cudaSuccess;
   key_count_kernel<<<static_cast<unsigned>(chunks), kThreads, num_keys * sizeof(int32_t), s>>>(
       key, counts, m, num_keys);
@@ -331,7 +334,7 @@ cudaError_t launch_key_count(cudaStream_t s, const int32_t* key, int32_t* counts
 
 cudaError_t launch_key_rank(cudaStream_t s, const int32_t* key, const int32_t* base,
                             int32_t* rank, int32_t* order, int64_t m, int32_t num_keys) {
-  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  const int64_t chunks = rank_chunks(m);
   if (chunks == 0) return cudaSuccess;
   key_rank_kernel<<<static_cast<unsigned>(chunks), 32, num_keys * sizeof(int32_t), s>>>(
       key, base, rank, order, m, num_keys);
@@ -346,7 +349,7 @@ ffi::Error KeyCount(cudaStream_t stream, ffi::Buffer<ffi::S32> key,
   const std::string where = "ep_comm rows key_count: ";
   const int64_t m = key.element_count();
   const auto dims = counts->dimensions();
-  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  const int64_t chunks = rank_chunks(m);
   if (key.dimensions().size() != 1 || dims.size() != 2 || dims[0] != chunks || dims[1] < 1 ||
       dims[1] > kMaxRankKeys) {
     return ffi::Error::InvalidArgument(
@@ -366,7 +369,7 @@ ffi::Error KeyRank(cudaStream_t stream, ffi::Buffer<ffi::S32> key, ffi::Buffer<f
   const int64_t m = key.element_count();
   const auto bdims = base.dimensions();
   const auto odims = out->dimensions();
-  const int64_t chunks = (m + kRankChunk - 1) / kRankChunk;
+  const int64_t chunks = rank_chunks(m);
   if (key.dimensions().size() != 1 || bdims.size() != 2 || bdims[0] != chunks || bdims[1] < 1 ||
       bdims[1] > kMaxRankKeys || odims.size() != 2 || odims[0] != 2 || odims[1] != m) {
     return ffi::Error::InvalidArgument(
@@ -707,7 +710,7 @@ int64_t rank_selftest(cudaStream_t s, Next& next) {
     key[i] = next() % 7 ? static_cast<int32_t>(next() % NK) : odd[next() % 5];
     clamped[i] = key[i] >= 0 && key[i] < NK ? key[i] : NK - 1;
   }
-  const int64_t chunks = (M + kRankChunk - 1) / kRankChunk;
+  const int64_t chunks = rank_chunks(M);
   std::vector<int32_t> counts(chunks * NK), base(chunks * NK), out(2 * M);
   void *d_key = nullptr, *d_counts = nullptr, *d_base = nullptr, *d_out = nullptr;
   auto ok = [](cudaError_t e) { return e == cudaSuccess; };
