@@ -35,6 +35,7 @@ every one with operands batches through its XLA reference.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -93,17 +94,18 @@ def _poison(dtype):
 
 
 def _primitive(name, reference, abstract, static, ffi_attrs=lambda **params: {},
-               kernel_fits=lambda ctx, **params: True):
+               kernel_fits=lambda ctx, **params: True, multiple_results=False):
     """The primitive ``name`` (also its FFI target's name): lowered to ``reference`` (an XLA
     function of the operands and every parameter) everywhere, and to the CUDA kernel on GPUs when
     its ``kernel`` parameter asks for it, ``kernel_fits`` and the kernels are built here (with the
     attributes ``ffi_attrs(**params)``). Outside ``jit`` it runs jitted (``static``: its
     parameters), so eager calls take the same lowering; batching goes through ``reference``."""
     p = Primitive(name)
+    p.multiple_results = multiple_results
 
     def xla(ctx, *args, **params):
         return mlir.lower_fun(functools.partial(reference, **params),
-                              multiple_results=False)(ctx, *args)
+                              multiple_results=multiple_results)(ctx, *args)
 
     def cuda(ctx, *args, **params):
         if params["kernel"] and kernel_fits(ctx, **params) and _registered():
@@ -111,7 +113,8 @@ def _primitive(name, reference, abstract, static, ffi_attrs=lambda **params: {},
         return xla(ctx, *args, **params)
 
     def batch(args, dims, **params):
-        return jax.vmap(functools.partial(reference, **params), in_axes=dims)(*args), 0
+        out = jax.vmap(functools.partial(reference, **params), in_axes=dims)(*args)
+        return out, ([0] * len(out) if multiple_results else 0)
 
     p.def_impl(functools.partial(jax.jit, static_argnames=static)(
         lambda *args, **params: p.bind(*args, **params)))
@@ -357,6 +360,142 @@ key_rank_p = _primitive(
     lambda key, base, *, kernel: key.update(shape=(2, key.shape[0]), dtype=jnp.int32,
                                             weak_type=False),
     ("kernel",), kernel_fits=lambda ctx, *, kernel: ctx.avals_in[1].shape[1] <= MAX_RANK_KEYS)
+
+
+# --- expert_layout (dispatch's receive-side layout, fused) ----------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Where the received (row, expert) pairs go in ``expert_x`` (see :func:`expert_layout`).
+
+    Attributes:
+      recv_pos: ``(R, K)`` int32; the expert row of each slot (``C``: none); slots repeating an
+        earlier slot's expert point at that slot's row.
+      targets: ``(R, K)`` int32; the rows each receive-buffer row fills, each once (``recv_pos``
+        with repeated slots at ``C``): the scatter's destinations.
+      recv_weights: ``(R, K)`` float32; each slot's router weight, 0 where it has no expert here.
+      expert_token: ``(C,)`` int32; the receive-buffer row of each expert row (``R`` past them).
+      group_sizes: ``(L,)`` int32; rows per local expert (capped at ``C`` in all).
+      num_pairs: ``()`` int32; the pairs routed here, uncapped (some are dropped when it is > C).
+      fill: the expert rows to zero: the first ``fill_rows`` past the groups, or with
+        ``zero_fill`` every row past them (``(C,)``: the row, or -1 for a row in a group).
+    """
+
+    recv_pos: jax.Array
+    targets: jax.Array
+    recv_weights: jax.Array
+    expert_token: jax.Array
+    group_sizes: jax.Array
+    num_pairs: jax.Array
+    fill: jax.Array
+
+
+def expert_layout(route, num_recv, me, *, experts: int, rows: int, fill_rows: int = 0,
+                  zero_fill: bool = False) -> ExpertLayout:
+    """Dispatch's receive-side layout: the received token rows' (row, expert) pairs sorted
+    stably by local expert into the first ``rows`` (``C``) rows of ``expert_x``.
+
+    ``route``: ``(R, 2K)`` float32, each receive-buffer row's K router weights then K global
+    expert ids (-1: none); rows ``[0, num_recv)`` were received. A slot whose id lies in
+    ``[experts * me, experts * (me + 1))`` routes to local expert ``id - experts * me``; a slot
+    repeating an earlier slot's expert in its row shares that slot's expert row. Pairs are ordered
+    by local expert, then row, then slot; those past ``C`` are dropped (``num_pairs`` counts them
+    all). ``num_recv``, ``me``: int32 scalars (traced). Returns an :class:`ExpertLayout`.
+
+    On GPUs three kernels (a per-chunk count and rank, a scan, the placement); elsewhere, and as
+    their reference, XLA's ops with :func:`rank_by_key`."""
+    route = jnp.asarray(route)
+    if route.ndim != 2 or route.shape[1] < 2 or route.shape[1] % 2 or route.dtype != jnp.float32:
+        raise ValueError(f"row_kernels.expert_layout: route must be float32 (R, 2K) with K >= 1, "
+                         f"got {route.dtype} {tuple(route.shape)}")
+    for name, v in (("experts", experts), ("rows", rows), ("fill_rows", fill_rows)):
+        if not isinstance(v, (int, np.integer)) or v < (1 if name == "experts" else 0):
+            raise ValueError(f"row_kernels.expert_layout: {name} must be an int >= "
+                             f"{1 if name == 'experts' else 0}, got {v!r}")
+    scalars = [jnp.asarray(v).astype(jnp.int32).reshape(1) for v in (num_recv, me)]
+    route, *scalars = _same_vma(route, *scalars)
+    out = expert_layout_p.bind(route, *scalars, experts=int(experts), rows=int(rows),
+                               fill_rows=int(rows if zero_fill else min(fill_rows, rows)),
+                               zero_fill=bool(zero_fill), kernel=_want_kernels())
+    recv_pos, targets, recv_w, expert_token, sizes, fill, _ = out
+    return ExpertLayout(recv_pos, targets, recv_w, expert_token, sizes[:-1], sizes[-1], fill)
+
+
+def _expert_layout_reference(route, num_recv, me, *, experts, rows, fill_rows, zero_fill,
+                             kernel=None):
+    del kernel
+    L, C, i32 = experts, rows, jnp.int32
+    R, K = route.shape[0], route.shape[1] // 2
+    gid, here = _layout_here(route, num_recv, me, L)
+    recv_w = jnp.where(here, route[:, :K], 0.0)
+    ids = jnp.where(here, gid % L, -1)
+    # first slot of each slot's expert in its row; a slot that is not its own first repeats it
+    first_slot = jnp.argmax(ids[:, :, None] == ids[:, None, :], axis=2)  # (R, K)
+    has = ids >= 0
+    key = jnp.where(has & (first_slot == jnp.arange(K)[None, :]), ids, L).reshape(-1)
+    with xla_only():
+        rank, order, per_key = rank_by_key(key, L + 1)
+    per_expert = per_key[:L]
+    num_pairs = jnp.sum(per_expert, dtype=i32)
+    group_sizes = jnp.clip(C - (jnp.cumsum(per_expert) - per_expert), 0, per_expert)
+    targets = jnp.where((key < L) & (rank < C), rank, C).reshape(R, K)
+    recv_pos = jnp.where(has, jnp.take_along_axis(targets, first_slot, axis=1), C)
+    q = jnp.arange(C, dtype=i32)
+    filled = jnp.minimum(num_pairs, C)
+    expert_token = jnp.where(q < filled, order[jnp.minimum(q, R * K - 1)] // K, R)
+    fill = (jnp.where(q >= filled, q, -1) if zero_fill
+            else filled + jnp.arange(fill_rows, dtype=i32))
+    scratch = jnp.zeros((_layout_scratch(R * K, L),), i32)
+    return [recv_pos.astype(i32), targets.astype(i32), recv_w, expert_token.astype(i32),
+            jnp.concatenate([group_sizes, num_pairs[None]]).astype(i32), fill.astype(i32),
+            scratch]
+
+
+def _layout_scratch(m: int, experts: int) -> int:
+    """int32 entries of the kernels' scratch: keys and ranks in chunk, then counts per key."""
+    return 2 * m + (experts + 1) * _chunks(m)
+
+
+def _expert_layout_abstract(route, num_recv, me, *, experts, rows, fill_rows, zero_fill, kernel):
+    R, K = route.shape[0], route.shape[1] // 2
+    i32 = lambda *shape: route.update(shape=shape, dtype=jnp.int32, weak_type=False)  # noqa: E731
+    return [i32(R, K), i32(R, K), route.update(shape=(R, K), weak_type=False), i32(rows),
+            i32(experts + 1), i32(fill_rows), i32(_layout_scratch(R * K, experts))]
+
+
+expert_layout_p = _primitive(
+    "ep_comm_rows_expert_layout", _expert_layout_reference, _expert_layout_abstract,
+    ("experts", "rows", "fill_rows", "zero_fill", "kernel"),
+    ffi_attrs=lambda *, zero_fill, **_: dict(zero_fill=np.int64(zero_fill)),
+    kernel_fits=lambda ctx, *, experts, rows, **_: (
+        experts + 1 <= MAX_RANK_KEYS and rows < 2 ** 31
+        and ctx.avals_in[0].shape[0] * ctx.avals_in[0].shape[1] // 2 < 2 ** 31),
+    multiple_results=True)
+
+
+def _layout_here(route, num_recv, me, experts):
+    """``(gid, here)`` ``(R, K)``: each slot's global expert id (-1 on rows not received) and
+    whether it is one of this rank's experts."""
+    R, K = route.shape[0], route.shape[1] // 2
+    gid = jnp.where((jnp.arange(R) < num_recv[0])[:, None], route[:, K:], -1.0).astype(jnp.int32)
+    return gid, (gid >= 0) & (gid // experts == me[0])
+
+
+def _expert_layout_jvp(primals, tangents, **params):
+    """Only the weights are differentiable (in ``route``'s weight columns): a masked copy."""
+    out = expert_layout_p.bind(*primals, **params)
+    tangent_out = [_zero_tangent(o) for o in out]
+    t = tangents[0]
+    if type(t) is not ad.Zero:
+        route, num_recv, me = primals
+        K = route.shape[1] // 2
+        tangent_out[2] = jnp.where(_layout_here(route, num_recv, me, params["experts"])[1],
+                                   t[:, :K], 0.0)
+    return out, tangent_out
+
+
+ad.primitive_jvps[expert_layout_p] = _expert_layout_jvp
 
 
 # --- gather_sum -----------------------------------------------------------------------------------

@@ -239,6 +239,84 @@ def test_rank_by_key_is_a_stable_counting_sort(M, num_keys):
         row_kernels.key_ranks(jnp.zeros((300,), jnp.int32), jnp.zeros((1, 4), jnp.int32))
 
 
+def _layout_route(rng, R, K, L, me, n_ranks, num_recv):
+    """A receive buffer's routing: ids spread over n_ranks * L experts (some here, repeats,
+    -1), weights; rows past num_recv hold garbage ids (never read as routed)."""
+    ids = rng.integers(-1, n_ranks * L, (R, K))
+    here = rng.random((R, K)) < 0.5
+    ids = np.where(here, me * L + rng.integers(0, L, (R, K)), ids)
+    ids[:, -1] = np.where(rng.random(R) < 0.2, ids[:, 0], ids[:, -1])  # repeats
+    ids[num_recv:] = rng.integers(0, n_ranks * L, (R - num_recv, K))
+    w = rng.random((R, K))
+    return np.concatenate([w, ids], 1).astype(np.float32)
+
+
+def _layout_model(route, num_recv, me, L, C, fill_rows, zero_fill):
+    """expert_layout in numpy: a (row, slot) loop and a stable sort."""
+    R, K = route.shape[0], route.shape[1] // 2
+    ids = np.full((R, K), -1)
+    for r in range(min(num_recv, R)):
+        for k in range(K):
+            g = int(route[r, K + k])
+            ids[r, k] = g - me * L if g >= 0 and g // L == me else -1
+    first = np.array([[list(ids[r]).index(ids[r, k]) for k in range(K)] for r in range(R)])
+    key = np.where((ids >= 0) & (first == np.arange(K)), ids, L).ravel()
+    rank, order, counts = _stable_ranks(key, L + 1)
+    num_pairs = int(counts[:L].sum())
+    targets = np.where((key < L) & (rank < C), rank, C).reshape(R, K)
+    recv_pos = np.where(ids >= 0, np.take_along_axis(targets, first, 1), C)
+    starts = np.cumsum(counts[:L]) - counts[:L]
+    sizes = np.clip(C - starts, 0, counts[:L])
+    filled = min(num_pairs, C)
+    token = np.full(C, R)
+    token[:filled] = order[:filled] // K
+    q = np.arange(C)
+    fill = np.where(q >= filled, q, -1) if zero_fill else filled + np.arange(min(fill_rows, C))
+    w = np.where(ids >= 0, route[:, :K], 0.0)
+    return dict(recv_pos=recv_pos, targets=targets, recv_weights=w, expert_token=token,
+                group_sizes=sizes, num_pairs=num_pairs, fill=fill)
+
+
+LAYOUT_CASES = [  # R, K, L, C, num_recv, me, n_ranks, zero_fill
+    (1, 1, 1, 1, 1, 0, 1, False), (300, 8, 4, 900, 250, 1, 3, False),
+    (257, 6, 5, 400, 257, 2, 4, True), (100, 3, 300, 50, 90, 0, 2, False),
+    (64, 2, 1, 10, 0, 0, 1, False), (40, 4, 12287, 100, 40, 0, 1, False)]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_expert_layout_against_numpy(case):
+    R, K, L, C, num_recv, me, n_ranks, zero_fill = case
+    rng = np.random.default_rng(R * K + L)
+    route = _layout_route(rng, R, K, L, me, n_ranks, num_recv)
+    lay = jax.jit(lambda r, n, m: row_kernels.expert_layout(
+        r, n, m, experts=L, rows=C, fill_rows=7, zero_fill=zero_fill))(route, num_recv, me)
+    want = _layout_model(route, num_recv, me, L, C, 7, zero_fill)
+    for f, v in want.items():
+        np.testing.assert_array_equal(np.asarray(getattr(lay, f)), v, err_msg=f)
+
+
+def test_expert_layout_weights_gradient_and_errors():
+    rng = np.random.default_rng(3)
+    route = _layout_route(rng, 50, 4, 3, 1, 2, 40)
+    lay = lambda r: row_kernels.expert_layout(r, 40, 1, experts=3, rows=200)  # noqa: E731
+    c = rng.standard_normal((50, 4)).astype(np.float32)
+    g = jax.grad(lambda r: jnp.sum(lay(r).recv_weights * c))(route)
+    gid = route[:, 4:].astype(int)
+    here = (np.arange(50) < 40)[:, None] & (gid >= 0) & (gid // 3 == 1)
+    assert 0 < here.sum() < here.size
+    want = np.concatenate([np.where(here, c, 0.0), np.zeros((50, 4))], 1)  # ids: no gradient
+    np.testing.assert_array_equal(np.asarray(g), want)
+    with pytest.raises(ValueError, match=r"row_kernels.expert_layout: route must be float32 "
+                       r"\(R, 2K\) with K >= 1, got float32 \(5, 3\)"):
+        row_kernels.expert_layout(np.zeros((5, 3), np.float32), 1, 0, experts=2, rows=4)
+    with pytest.raises(ValueError, match=r"row_kernels.expert_layout: experts must be an int "
+                       r">= 1, got 0"):
+        row_kernels.expert_layout(route, 1, 0, experts=0, rows=4)
+    with pytest.raises(ValueError, match=r"row_kernels.expert_layout: rows must be an int >= 0, "
+                       r"got -1"):
+        row_kernels.expert_layout(route, 1, 0, experts=2, rows=-1)
+
+
 def test_expert_x_zero_fill_option():
     """``EPConfig(zero_fill=True)``: every row past the groups is zero (the default leaves all
     but the first ZERO_TAIL_ROWS unspecified)."""
@@ -378,6 +456,23 @@ def test_scatter_dequant_kernel_bitwise(fmt, dtype, H):
     # compared as float32 (exact for bfloat16), where every numpy treats NaN positions as equal
     np.testing.assert_array_equal(np.asarray(got, np.float32)[defined],
                                   np.asarray(want, np.float32)[defined])
+
+
+@gpu_only
+@pytest.mark.parametrize("case", LAYOUT_CASES + [
+    (32768, 8, 32, 262144, 30000, 3, 8, False), (4096, 8, 256, 32768, 4096, 0, 1, False),
+    (4096, 8, 256, 40000, 4096, 0, 1, True), (20000, 7, 33, 30000, 19999, 5, 64, False)])
+def test_expert_layout_kernel_bitwise(case):
+    """The three layout kernels against the XLA reference, on routings as if from 1-64 ranks
+    (drops, repeats, garbage past num_recv, a last chunk cut short)."""
+    R, K, L, C, num_recv, me, n_ranks, zero_fill = case
+    rng = np.random.default_rng(R + L)
+    route = _layout_route(rng, R, K, L, me, n_ranks, num_recv)
+    route[rng.random((R, 2 * K)) < 0.001] = np.nan  # malformed ids: routed nowhere, same both ways
+    got, want = _both(lambda r: dataclasses.astuple(row_kernels.expert_layout(
+        r, num_recv, me, experts=L, rows=C, fill_rows=256, zero_fill=zero_fill)), route)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def _synthetic_route(rng, n, L, K, T, H, plan, dtype=jnp.bfloat16):

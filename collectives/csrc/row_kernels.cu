@@ -22,6 +22,9 @@
 //   ep_comm_rows_key_rank    rank[i] = base[c, k] + the entries before i in chunk c with key k,
 //                            order[rank[i]] = i: with base from the counts' scans, a stable
 //                            counting sort (dispatch's expert-major layout, no radix sort).
+//   ep_comm_rows_expert_layout  dispatch's receive-side layout in three kernels: the counting
+//                            sort of the received (row, expert) pairs into expert-major rows and
+//                            every index the expand and the handle need (see below).
 //
 // Both read every index on the device (no host round trip) and never read or write outside their
 // buffers whatever the indices hold. Handlers return ffi::Error; nothing throws across the C ABI.
@@ -380,6 +383,237 @@ ffi::Error KeyRank(cudaStream_t stream, ffi::Buffer<ffi::S32> key, ffi::Buffer<f
   int32_t* o = out->typed_data();
   const cudaError_t e = launch_key_rank(stream, key.typed_data(), base.typed_data(), o, o + m, m,
                                         static_cast<int32_t>(bdims[1]));
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+// ---- expert_layout: dispatch's receive-side layout, fused ---------------------------------------
+// From the routing of the received token rows (route (R, 2K) float32: K weights, then K global
+// expert ids, -1 for none), rows [0, num_recv) received: each (row, k) pair's local expert (its id
+// when L * me <= id < L * (me + 1), else none; a slot repeating an earlier slot's expert has none
+// of its own), then a stable counting sort of the pairs by local expert (key L: no expert) into
+// the first C rows of expert_x. Three kernels, where XLA needs two dozen fusions:
+//   layout_count: one warp per chunk of kRankChunk pairs; each pair's key and its rank among the
+//     chunk's pairs with that key (lanes with equal keys find each other, __match_any_sync), and
+//     the chunk's count per key, stored key-major (counts[key * chunks + chunk]);
+//   layout_scan: one block; the exclusive scan of the key-major counts is each (key, chunk)'s
+//     first sorted position (key-major order is the sorted order), then group sizes and pairs;
+//   layout_place: a thread per row; each pair's position, the row's expert rows, recv_pos and
+//     weights, expert_token, and the rows past the groups (expert_token R, the fill list).
+// Scratch (an output XLA allocates): keys (M), ranks in chunk (M), counts then bases (Kp * chunks).
+// Every write is bounded by its buffer whatever the route holds.
+
+struct LayoutArgs {
+  const float* route;
+  const int32_t* num_recv;
+  const int32_t* me;
+  int32_t* recv_pos;      // (R, K)
+  int32_t* targets;       // (R, K)
+  float* recv_w;          // (R, K)
+  int32_t* expert_token;  // (C,)
+  int32_t* sizes;         // (L + 1,): group sizes, then the pairs routed here (uncapped)
+  int32_t* fill;          // (F,)
+  int32_t* keys;          // scratch (M,)
+  int32_t* in_chunk;      // scratch (M,)
+  int32_t* counts;        // scratch (L + 1, chunks)
+  int64_t rows, C, F, chunks;
+  int32_t K, L;
+  bool zero_fill;
+};
+
+// Local expert of slot j of row r, or -1 (not received, no expert, another rank's expert).
+__device__ __forceinline__ int32_t local_expert(const LayoutArgs& a, int64_t r, int j,
+                                                int32_t recv, int32_t me) {
+  if (r >= recv) return -1;
+  const int32_t gid = static_cast<int32_t>(a.route[r * 2 * a.K + a.K + j]);
+  return gid >= 0 && gid / a.L == me ? gid % a.L : -1;
+}
+
+// The pair's sort key: its local expert, or L (none, or it repeats an earlier slot's expert).
+__device__ __forceinline__ int32_t pair_key(const LayoutArgs& a, int64_t i, int32_t recv,
+                                            int32_t me) {
+  const int64_t r = i / a.K;
+  const int k = static_cast<int>(i % a.K);
+  const int32_t id = local_expert(a, r, k, recv, me);
+  if (id < 0) return a.L;
+  for (int j = 0; j < k; ++j) {
+    if (local_expert(a, r, j, recv, me) == id) return a.L;
+  }
+  return id;
+}
+
+constexpr int kLayoutSteps = kRankChunk / 32;
+
+__device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
+
+__global__ void __launch_bounds__(32) layout_count_kernel(LayoutArgs a) {
+  extern __shared__ int32_t seen[];  // (L + 1,) running count per key in this chunk
+  const int lane = threadIdx.x;
+  const int32_t Kp = a.L + 1, recv = *a.num_recv, me = *a.me;
+  const int64_t m = a.rows * a.K, first = int64_t{blockIdx.x} * kRankChunk;
+  for (int32_t k = lane; k < Kp; k += 32) seen[k] = 0;
+  int32_t key[kLayoutSteps];
+#pragma unroll
+  for (int s = 0; s < kLayoutSteps; ++s) {  // every load first: the loop below waits on none
+    const int64_t i = first + s * 32 + lane;
+    key[s] = i < m ? pair_key(a, i, recv, me) : Kp;  // Kp: no pair
+  }
+  __syncwarp();
+  const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+  for (int s = 0; s < kLayoutSteps; ++s) {
+    const int64_t i = first + s * 32 + lane;
+    const unsigned peers = __match_any_sync(0xffffffffu, key[s]);
+    const int32_t before = key[s] < Kp ? seen[key[s]] + __popc(peers & below) : 0;
+    __syncwarp();
+    if (key[s] < Kp && lane == __ffs(peers) - 1) seen[key[s]] += __popc(peers);
+    __syncwarp();
+    if (i < m) {
+      a.keys[i] = key[s];
+      a.in_chunk[i] = before;
+    }
+  }
+  for (int32_t k = lane; k < Kp; k += 32) a.counts[int64_t{k} * a.chunks + blockIdx.x] = seen[k];
+}
+
+constexpr int kScanThreads = 1024;
+
+__global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a) {
+  __shared__ int32_t warp_sum[32];
+  const int64_t n = int64_t{a.L + 1} * a.chunks;
+  const int64_t per = (n + kScanThreads - 1) / kScanThreads;
+  const int64_t lo = min64(n, threadIdx.x * per), hi = min64(n, lo + per);
+  int32_t total = 0;
+  for (int64_t j = lo; j < hi; ++j) total += a.counts[j];
+  // block-wide exclusive scan of the threads' totals
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t incl = total;
+  for (int d = 1; d < 32; d *= 2) {
+    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sum[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = warp_sum[lane], wi = w;
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, wi, d);
+      if (lane >= d) wi += v;
+    }
+    warp_sum[lane] = wi - w;  // exclusive, per warp
+  }
+  __syncthreads();
+  int32_t run = warp_sum[warp] + incl - total;
+  for (int64_t j = lo; j < hi; ++j) {
+    const int32_t c = a.counts[j];
+    a.counts[j] = run;
+    run += c;
+  }
+  __syncthreads();  // (the block's global writes are visible to the block after this)
+  for (int32_t k = threadIdx.x; k <= a.L; k += kScanThreads) {
+    const int64_t start = a.counts[int64_t{k} * a.chunks];
+    if (k == a.L) {
+      a.sizes[k] = static_cast<int32_t>(start);  // pairs with an expert here
+    } else {
+      const int64_t size = a.counts[int64_t{k + 1} * a.chunks] - start;
+      const int64_t room = min64(a.C - start, size);
+      a.sizes[k] = static_cast<int32_t>(room > 0 ? room : 0);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
+  const int32_t recv = *a.num_recv, me = *a.me;
+  const int64_t filled = min64(a.sizes[a.L], a.C);
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < a.rows; r += stride) {
+    for (int k = 0; k < a.K; ++k) {  // each pair's expert row (C: none, or past expert_x)
+      const int64_t i = r * a.K + k;
+      const int32_t key = a.keys[i];
+      int64_t pos = a.C;
+      if (key < a.L) {
+        pos = int64_t{a.counts[int64_t{key} * a.chunks + i / kRankChunk]} + a.in_chunk[i];
+        if (pos < 0 || pos >= a.C) pos = a.C;
+      }
+      if (pos < a.C) a.expert_token[pos] = static_cast<int32_t>(r);
+      a.targets[i] = static_cast<int32_t>(pos);
+    }
+    for (int k = 0; k < a.K; ++k) {  // a repeated expert's slots share its first slot's row
+      const int64_t i = r * a.K + k;
+      const int32_t id = local_expert(a, r, k, recv, me);
+      int j = 0;
+      while (j < k && local_expert(a, r, j, recv, me) != id) ++j;
+      a.recv_pos[i] = id < 0 ? static_cast<int32_t>(a.C) : a.targets[r * a.K + j];
+      a.recv_w[i] = id < 0 ? 0.0f : a.route[r * 2 * a.K + k];
+    }
+  }
+  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (int64_t q = filled + first; q < a.C; q += stride) {
+    a.expert_token[q] = static_cast<int32_t>(a.rows);
+  }
+  for (int64_t f = first; f < a.F; f += stride) {
+    a.fill[f] = static_cast<int32_t>(a.zero_fill ? (f >= filled ? f : -1) : filled + f);
+  }
+}
+
+cudaError_t launch_layout(cudaStream_t s, const LayoutArgs& a) {
+  if (a.chunks > 0) {
+    layout_count_kernel<<<static_cast<unsigned>(a.chunks), 32, (a.L + 1) * sizeof(int32_t), s>>>(a);
+  }
+  layout_scan_kernel<<<1, kScanThreads, 0, s>>>(a);
+  layout_place_kernel<<<grid_for(std::max(a.rows, std::max(a.C, a.F)), kThreads), kThreads, 0,
+                        s>>>(a);
+  return cudaGetLastError();
+}
+
+ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
+                        ffi::Buffer<ffi::S32> num_recv, ffi::Buffer<ffi::S32> me,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_pos,
+                        ffi::Result<ffi::Buffer<ffi::S32>> targets,
+                        ffi::Result<ffi::Buffer<ffi::F32>> recv_w,
+                        ffi::Result<ffi::Buffer<ffi::S32>> expert_token,
+                        ffi::Result<ffi::Buffer<ffi::S32>> sizes,
+                        ffi::Result<ffi::Buffer<ffi::S32>> fill,
+                        ffi::Result<ffi::Buffer<ffi::S32>> scratch, int64_t zero_fill) {
+  const std::string where = "ep_comm rows expert_layout: ";
+  const auto rd = route.dimensions();
+  if (rd.size() != 2 || rd[1] % 2 != 0 || rd[1] == 0 || num_recv.element_count() != 1 ||
+      me.element_count() != 1) {
+    return ffi::Error::InvalidArgument(where + "route must be (R, 2K) with K >= 1 and num_recv, "
+                                       "me one value each");
+  }
+  LayoutArgs a{};
+  a.rows = rd[0];
+  a.K = static_cast<int32_t>(rd[1] / 2);
+  const int64_t m = a.rows * a.K;
+  a.C = expert_token->element_count();
+  a.L = static_cast<int32_t>(sizes->element_count() - 1);
+  a.F = fill->element_count();
+  a.chunks = rank_chunks(m);
+  const int64_t Kp = int64_t{a.L} + 1;
+  if (a.L < 1 || Kp > kMaxRankKeys || recv_pos->element_count() != m ||
+      targets->element_count() != m || recv_w->element_count() != m ||
+      scratch->element_count() != 2 * m + Kp * a.chunks || a.C > INT32_MAX || m > INT32_MAX) {
+    return ffi::Error::InvalidArgument(
+        where + "results must be recv_pos, targets, recv_w (R, K), expert_token (C,), sizes "
+        "(L + 1,) with 1 <= L < " + std::to_string(kMaxRankKeys) + ", fill (F,) and scratch "
+        "(2 M + (L + 1) ceil(M / " + std::to_string(kRankChunk) + "),) for M = R K = " +
+        std::to_string(m));
+  }
+  a.route = route.typed_data();
+  a.num_recv = num_recv.typed_data();
+  a.me = me.typed_data();
+  a.recv_pos = recv_pos->typed_data();
+  a.targets = targets->typed_data();
+  a.recv_w = recv_w->typed_data();
+  a.expert_token = expert_token->typed_data();
+  a.sizes = sizes->typed_data();
+  a.fill = fill->typed_data();
+  a.keys = scratch->typed_data();
+  a.in_chunk = a.keys + m;
+  a.counts = a.in_chunk + m;
+  a.zero_fill = zero_fill != 0;
+  const cudaError_t e = launch_layout(stream, a);
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
 }
@@ -762,11 +996,79 @@ int64_t rank_selftest(cudaStream_t s, Next& next) {
   return wrong;
 }
 
+// The layout kernels on a malformed routing (ids NaN, +-Inf, huge, negative, other ranks';
+// garbage past num_recv): every index they write must stay in range and the groups must hold
+// each routed pair once. Returns the out-of-range values, or -1 when CUDA fails.
+template <typename Next>
+int64_t layout_selftest(cudaStream_t s, Next& next) {
+  const int64_t R = 3 * kRankChunk / 8 + 29, C = 500, F = 40;
+  const int32_t K = 8, L = 13, me = 2, recv = static_cast<int32_t>(R - 11);
+  const float odd[] = {NAN, INFINITY, -INFINITY, 3e9f, -2.0f, -1.0f, 1e30f};
+  std::vector<float> route(R * 2 * K);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int k = 0; k < K; ++k) {
+      route[r * 2 * K + k] = static_cast<float>(next() % 1000) / 1000.0f;
+      const uint32_t u = next() % 10;
+      route[r * 2 * K + K + k] = u < 5 ? static_cast<float>(me * L + next() % L)
+                                 : u < 8 ? static_cast<float>(next() % (5 * L)) : odd[next() % 7];
+    }
+  }
+  const int64_t m = R * K, chunks = rank_chunks(m);
+  const int64_t ints = 3 * m + C + (L + 1) + F + 2 * m + (L + 1) * chunks;
+  void *d_route = nullptr, *d_ints = nullptr, *d_w = nullptr;
+  auto ok = [](cudaError_t e) { return e == cudaSuccess; };
+  std::vector<int32_t> out(ints);
+  int64_t wrong = -1;
+  if (ok(cudaMalloc(&d_route, route.size() * 4)) && ok(cudaMalloc(&d_ints, (ints + 2) * 4)) &&
+      ok(cudaMalloc(&d_w, m * 4)) &&
+      ok(cudaMemcpy(d_route, route.data(), route.size() * 4, cudaMemcpyHostToDevice))) {
+    int32_t* p = static_cast<int32_t*>(d_ints);
+    const int32_t scalars[] = {recv, me};
+    LayoutArgs a{};
+    a.route = static_cast<const float*>(d_route);
+    a.num_recv = p + ints;
+    a.me = p + ints + 1;
+    a.recv_pos = p;
+    a.targets = p + m;
+    a.expert_token = p + 2 * m;
+    a.sizes = a.expert_token + C;
+    a.fill = a.sizes + L + 1;
+    a.keys = a.fill + F;
+    a.in_chunk = a.keys + m;
+    a.counts = a.in_chunk + m;
+    a.recv_w = static_cast<float*>(d_w);
+    a.rows = R, a.C = C, a.F = F, a.chunks = chunks, a.K = K, a.L = L, a.zero_fill = false;
+    if (ok(cudaMemcpy(p + ints, scalars, 8, cudaMemcpyHostToDevice)) &&
+        ok(launch_layout(s, a)) && ok(cudaStreamSynchronize(s)) &&
+        ok(cudaMemcpy(out.data(), d_ints, ints * 4, cudaMemcpyDeviceToHost))) {
+      wrong = 0;
+      std::vector<int> hits(C, 0);
+      for (int64_t i = 0; i < m; ++i) {
+        wrong += out[i] < 0 || out[i] > C;          // recv_pos
+        wrong += out[m + i] < 0 || out[m + i] > C;  // targets
+        if (out[m + i] < C) ++hits[out[m + i]];
+      }
+      const int32_t* sizes = out.data() + 2 * m + C;
+      int64_t grouped = 0;
+      for (int32_t k = 0; k < L; ++k) grouped += sizes[k];
+      for (int64_t q = 0; q < C; ++q) {
+        wrong += out[2 * m + q] < 0 || out[2 * m + q] > R;  // expert_token
+        wrong += hits[q] != (q < grouped ? 1 : 0);         // each grouped row filled once
+      }
+    }
+  }
+  for (void* q : {d_route, d_ints, d_w}) {
+    if (q) cudaFree(q);
+  }
+  return wrong;
+}
+
 // The kernels on malformed indices (every int32 extreme, negative, past the table), outside XLA,
 // so that compute-sanitizer can watch them without a JAX process: a gather of 7392-byte rows
 // (16-byte path), of 3-byte rows (byte path) and a weighted bf16 sum into float32. Returns the
 // number of wrong output values (defined rows against the table, zero rows), or -1 when CUDA
-// fails. Then the scatter (scatter_selftest) and the counting sort (rank_selftest).
+// fails. Then the scatter (scatter_selftest), the counting sort (rank_selftest) and the layout
+// (layout_selftest).
 int64_t selftest() {
   const int64_t N = 64, M = 300, K = 8, H = 3696;  // 7392-byte rows = H bf16
   std::vector<int32_t> idx(M), idx2(M * K);
@@ -833,7 +1135,8 @@ int64_t selftest() {
   if (wrong >= 0) {
     const int64_t w2 = scatter_selftest(s, d_table, N, H, next);
     const int64_t w3 = w2 < 0 ? -1 : rank_selftest(s, next);
-    wrong = w2 < 0 || w3 < 0 ? -1 : wrong + w2 + w3;
+    const int64_t w4 = w3 < 0 ? -1 : layout_selftest(s, next);
+    wrong = w2 < 0 || w3 < 0 || w4 < 0 ? -1 : wrong + w2 + w3 + w4;
   }
   for (void* p : {d_table, d_out, d_idx, d_idx2, d_w, static_cast<void*>(d_sum)}) {
     if (p) cudaFree(p);
@@ -884,6 +1187,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kKeyRank, KeyRank,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // base (chunks, num_keys)
                                   .Ret<ffi::Buffer<ffi::S32>>());  // (rank, order) (2, M)
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertLayout, ExpertLayout,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // route (R, 2K)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_recv (1,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // me (1,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_pos (R, K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // targets (R, K)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // recv_w (R, K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_token (C,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // sizes (L + 1,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // fill (F,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // scratch
+                                  .Attr<int64_t>("zero_fill"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -899,5 +1217,6 @@ void* scatter_dequant_handler() { return reinterpret_cast<void*>(kScatterDequant
 void* scatter_handler() { return reinterpret_cast<void*>(kScatter); }
 void* key_count_handler() { return reinterpret_cast<void*>(kKeyCount); }
 void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }
+void* expert_layout_handler() { return reinterpret_cast<void*>(kExpertLayout); }
 
 }  // namespace ep_comm::rows
