@@ -452,9 +452,13 @@ def _expert_layout_reference(route, num_recv, me, *, experts, rows, fill_rows, z
             scratch]
 
 
+LAYOUT_CHUNK = 1024  # pairs per chunk of the layout kernels (their kLayoutChunk)
+
+
 def _layout_scratch(m: int, experts: int) -> int:
-    """int32 entries of the kernels' scratch: keys and ranks in chunk, then counts per key."""
-    return 2 * m + (experts + 1) * _chunks(m)
+    """int32 entries of the kernels' scratch: keys, ranks in chunk and first slots, then the
+    counts per key and chunk."""
+    return 3 * m + (experts + 1) * -(-m // LAYOUT_CHUNK)
 
 
 def _expert_layout_abstract(route, num_recv, me, *, experts, rows, fill_rows, zero_fill, kernel):
@@ -469,8 +473,8 @@ expert_layout_p = _primitive(
     ("experts", "rows", "fill_rows", "zero_fill", "kernel"),
     ffi_attrs=lambda *, zero_fill, **_: dict(zero_fill=np.int64(zero_fill)),
     kernel_fits=lambda ctx, *, experts, rows, **_: (
-        experts + 1 <= MAX_RANK_KEYS and rows < 2 ** 31
-        and ctx.avals_in[0].shape[0] * ctx.avals_in[0].shape[1] // 2 < 2 ** 31),
+        experts + ctx.avals_in[0].shape[1] // 2 + 3 * LAYOUT_CHUNK <= MAX_RANK_KEYS
+        and rows < 2 ** 31 and ctx.avals_in[0].shape[0] * ctx.avals_in[0].shape[1] // 2 < 2 ** 31),
     multiple_results=True)
 
 

@@ -391,17 +391,24 @@ ffi::Error KeyRank(cudaStream_t stream, ffi::Buffer<ffi::S32> key, ffi::Buffer<f
 // From the routing of the received token rows (route (R, 2K) float32: K weights, then K global
 // expert ids, -1 for none), rows [0, num_recv) received: each (row, k) pair's local expert (its id
 // when L * me <= id < L * (me + 1), else none; a slot repeating an earlier slot's expert has none
-// of its own), then a stable counting sort of the pairs by local expert (key L: no expert) into
-// the first C rows of expert_x. Three kernels, where XLA needs two dozen fusions:
-//   layout_count: one warp per chunk of kRankChunk pairs; each pair's key and its rank among the
-//     chunk's pairs with that key (lanes with equal keys find each other, __match_any_sync), and
-//     the chunk's count per key, stored key-major (counts[key * chunks + chunk]);
-//   layout_scan: one block; the exclusive scan of the key-major counts is each (key, chunk)'s
-//     first sorted position (key-major order is the sorted order), then group sizes and pairs;
-//   layout_place: a thread per row; each pair's position, the row's expert rows, recv_pos and
-//     weights, expert_token, and the rows past the groups (expert_token R, the fill list).
-// Scratch (an output XLA allocates): keys (M), ranks in chunk (M), counts then bases (Kp * chunks).
-// Every write is bounded by its buffer whatever the route holds.
+// of its own and shares that slot's row), then a stable counting sort of the pairs by local
+// expert (key L: none) into the first C rows of expert_x. Three kernels, where XLA needs two
+// dozen fusions, each a few dependent memory round trips (no thread walks a loop of loads):
+//   layout_count: a block per chunk of kLayoutChunk pairs; every thread loads one id (the row
+//     straddling the chunk's start read into a halo), finds its slot's first slot with the same
+//     expert in shared memory, and one warp ranks the chunk's keys in order (lanes with equal keys
+//     find each other, __match_any_sync); counts per key stored key-major (key * chunks + chunk);
+//   layout_scan: one block; the exclusive scan of the key-major counts, in shared-memory tiles,
+//     is each (key, chunk)'s first sorted position (key-major order is the sorted order); then the
+//     group sizes and the pairs routed here;
+//   layout_place: a thread per pair; its expert row (its first slot's), expert_token, weights;
+//     and the rows past the groups (expert_token R, the fill list).
+// Scratch (an output XLA allocates): keys, ranks in chunk and first slots (M each), then the
+// counts (later the bases) per key. Every write is bounded by its buffer whatever route holds.
+
+constexpr int kLayoutChunk = 1024;  // pairs per chunk: the count kernel's block
+constexpr int kScanThreads = 1024;
+constexpr int kScanTile = 8 * kScanThreads;
 
 struct LayoutArgs {
   const float* route;
@@ -413,156 +420,189 @@ struct LayoutArgs {
   int32_t* expert_token;  // (C,)
   int32_t* sizes;         // (L + 1,): group sizes, then the pairs routed here (uncapped)
   int32_t* fill;          // (F,)
-  int32_t* keys;          // scratch (M,)
-  int32_t* in_chunk;      // scratch (M,)
+  int32_t* keys;          // scratch (M,): local expert of a first slot, else L
+  int32_t* in_chunk;      // scratch (M,): rank among the chunk's pairs with the same key
+  int32_t* first;         // scratch (M,): pair index of the slot's first slot, -1: no expert
   int32_t* counts;        // scratch (L + 1, chunks)
   int64_t rows, C, F, chunks;
   int32_t K, L;
   bool zero_fill;
 };
 
-// Local expert of slot j of row r, or -1 (not received, no expert, another rank's expert).
-__device__ __forceinline__ int32_t local_expert(const LayoutArgs& a, int64_t r, int j,
-                                                int32_t recv, int32_t me) {
-  if (r >= recv) return -1;
-  const int32_t gid = static_cast<int32_t>(a.route[r * 2 * a.K + a.K + j]);
-  return gid >= 0 && gid / a.L == me ? gid % a.L : -1;
-}
-
-// The pair's sort key: its local expert, or L (none, or it repeats an earlier slot's expert).
-__device__ __forceinline__ int32_t pair_key(const LayoutArgs& a, int64_t i, int32_t recv,
-                                            int32_t me) {
-  const int64_t r = i / a.K;
-  const int k = static_cast<int>(i % a.K);
-  const int32_t id = local_expert(a, r, k, recv, me);
-  if (id < 0) return a.L;
-  for (int j = 0; j < k; ++j) {
-    if (local_expert(a, r, j, recv, me) == id) return a.L;
-  }
-  return id;
-}
-
-constexpr int kLayoutSteps = kRankChunk / 32;
+int64_t layout_chunks(int64_t m) { return (m + kLayoutChunk - 1) / kLayoutChunk; }
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
-__global__ void __launch_bounds__(32) layout_count_kernel(LayoutArgs a) {
-  extern __shared__ int32_t seen[];  // (L + 1,) running count per key in this chunk
-  const int lane = threadIdx.x;
-  const int32_t Kp = a.L + 1, recv = *a.num_recv, me = *a.me;
-  const int64_t m = a.rows * a.K, first = int64_t{blockIdx.x} * kRankChunk;
-  for (int32_t k = lane; k < Kp; k += 32) seen[k] = 0;
-  int32_t key[kLayoutSteps];
-#pragma unroll
-  for (int s = 0; s < kLayoutSteps; ++s) {  // every load first: the loop below waits on none
-    const int64_t i = first + s * 32 + lane;
-    key[s] = i < m ? pair_key(a, i, recv, me) : Kp;  // Kp: no pair
-  }
-  __syncwarp();
-  const unsigned below = (1u << lane) - 1u;
-#pragma unroll
-  for (int s = 0; s < kLayoutSteps; ++s) {
-    const int64_t i = first + s * 32 + lane;
-    const unsigned peers = __match_any_sync(0xffffffffu, key[s]);
-    const int32_t before = key[s] < Kp ? seen[key[s]] + __popc(peers & below) : 0;
-    __syncwarp();
-    if (key[s] < Kp && lane == __ffs(peers) - 1) seen[key[s]] += __popc(peers);
-    __syncwarp();
-    if (i < m) {
-      a.keys[i] = key[s];
-      a.in_chunk[i] = before;
-    }
-  }
-  for (int32_t k = lane; k < Kp; k += 32) a.counts[int64_t{k} * a.chunks + blockIdx.x] = seen[k];
+// Local expert of pair i (row i / K, slot i % K), or -1 (not received, no expert, another rank's).
+__device__ __forceinline__ int32_t local_expert(const LayoutArgs& a, int64_t i, int32_t recv,
+                                                int32_t me) {
+  const int64_t r = i / a.K;
+  if (r >= recv) return -1;
+  const int32_t gid = static_cast<int32_t>(a.route[r * 2 * a.K + a.K + i % a.K]);
+  return gid >= 0 && gid / a.L == me ? gid % a.L : -1;
 }
 
-constexpr int kScanThreads = 1024;
-
-__global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a) {
-  __shared__ int32_t warp_sum[32];
-  const int64_t n = int64_t{a.L + 1} * a.chunks;
-  const int64_t per = (n + kScanThreads - 1) / kScanThreads;
-  const int64_t lo = min64(n, threadIdx.x * per), hi = min64(n, lo + per);
-  int32_t total = 0;
-  for (int64_t j = lo; j < hi; ++j) total += a.counts[j];
-  // block-wide exclusive scan of the threads' totals
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int32_t incl = total;
-  for (int d = 1; d < 32; d *= 2) {
-    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
+__global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a) {
+  extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 halo + chunk) | keys | ranks
+  const int32_t Kp = a.L + 1, halo = a.K - 1, recv = *a.num_recv, me = *a.me;
+  int32_t* seen = smem;
+  int32_t* ids = seen + Kp;
+  int32_t* keys = ids + halo + kLayoutChunk;
+  int32_t* ranks = keys + kLayoutChunk;
+  const int t = threadIdx.x;
+  const int64_t m = a.rows * a.K, first = int64_t{blockIdx.x} * kLayoutChunk, i = first + t;
+  for (int32_t k = t; k < Kp; k += kLayoutChunk) seen[k] = 0;
+  ids[halo + t] = i < m ? local_expert(a, i, recv, me) : -1;
+  if (t < halo) ids[t] = first - halo + t >= 0 ? local_expert(a, first - halo + t, recv, me) : -1;
+  __syncthreads();
+  int32_t key = Kp, src = -1;  // Kp: no pair
+  if (i < m) {
+    const int32_t id = ids[halo + t];
+    key = a.L;
+    if (id >= 0) {
+      int j = 0;
+      const int k = static_cast<int>(i % a.K);
+      while (j < k && ids[halo + t - k + j] != id) ++j;  // the row's slots before this one
+      src = static_cast<int32_t>(i - k + j);
+      if (j == k) key = id;
+    }
   }
-  if (lane == 31) warp_sum[warp] = incl;
+  keys[t] = key;
+  __syncthreads();
+  if (t < 32) {  // one warp ranks the chunk in order, 32 keys at a time
+    const unsigned below = (1u << t) - 1u;
+    for (int step = 0; step < kLayoutChunk; step += 32) {
+      const int32_t k = keys[step + t];
+      const unsigned peers = __match_any_sync(0xffffffffu, k);
+      const int32_t before = k < Kp ? seen[k] : 0;
+      __syncwarp();
+      if (k < Kp && t == __ffs(peers) - 1) seen[k] = before + __popc(peers);
+      ranks[step + t] = before + __popc(peers & below);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  if (i < m) {
+    a.keys[i] = key;
+    a.in_chunk[i] = ranks[t];
+    a.first[i] = src;
+  }
+  for (int32_t k = t; k < Kp; k += kLayoutChunk) a.counts[int64_t{k} * a.chunks + blockIdx.x] = seen[k];
+}
+
+// Exclusive scan of v over the block (1024 threads); *total: the block's sum.
+__device__ __forceinline__ int32_t block_exclusive_scan(int32_t v, int32_t* warp_sums,
+                                                        int32_t* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t incl = v;
+  for (int d = 1; d < 32; d *= 2) {
+    const int32_t u = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += u;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    int32_t w = warp_sum[lane], wi = w;
+    const int32_t w = warp_sums[lane];
+    int32_t wi = w;
     for (int d = 1; d < 32; d *= 2) {
-      const int32_t v = __shfl_up_sync(0xffffffffu, wi, d);
-      if (lane >= d) wi += v;
+      const int32_t u = __shfl_up_sync(0xffffffffu, wi, d);
+      if (lane >= d) wi += u;
     }
-    warp_sum[lane] = wi - w;  // exclusive, per warp
+    warp_sums[lane] = wi - w;
+    if (lane == 31) *total = wi;
   }
   __syncthreads();
-  int32_t run = warp_sum[warp] + incl - total;
-  for (int64_t j = lo; j < hi; ++j) {
-    const int32_t c = a.counts[j];
-    a.counts[j] = run;
-    run += c;
+  const int32_t out = warp_sums[warp] + incl - v;
+  __syncthreads();  // (warp_sums reused by the next call)
+  return out;
+}
+
+__global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a) {
+  __shared__ int32_t tile[kScanTile];
+  __shared__ int32_t warp_sums[32];
+  __shared__ int32_t tile_total;
+  constexpr int per = kScanTile / kScanThreads;
+  const int t = threadIdx.x;
+  const int64_t n = int64_t{a.L + 1} * a.chunks;
+  int32_t carry = 0;
+  for (int64_t base = 0; base < n; base += kScanTile) {
+#pragma unroll
+    for (int j = 0; j < per; ++j) {  // coalesced: every load in flight at once
+      const int64_t e = base + j * kScanThreads + t;
+      tile[j * kScanThreads + t] = e < n ? a.counts[e] : 0;
+    }
+    __syncthreads();
+    int32_t sum = 0;
+#pragma unroll
+    for (int j = 0; j < per; ++j) sum += tile[t * per + j];
+    int32_t run = carry + block_exclusive_scan(sum, warp_sums, &tile_total);
+#pragma unroll
+    for (int j = 0; j < per; ++j) {
+      const int32_t c = tile[t * per + j];
+      tile[t * per + j] = run;
+      run += c;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < per; ++j) {
+      const int64_t e = base + j * kScanThreads + t;
+      if (e < n) a.counts[e] = tile[j * kScanThreads + t];
+    }
+    carry += tile_total;
+    __syncthreads();
   }
-  __syncthreads();  // (the block's global writes are visible to the block after this)
-  for (int32_t k = threadIdx.x; k <= a.L; k += kScanThreads) {
+  for (int32_t k = t; k <= a.L; k += kScanThreads) {  // (this block's writes: visible after sync)
     const int64_t start = a.counts[int64_t{k} * a.chunks];
     if (k == a.L) {
       a.sizes[k] = static_cast<int32_t>(start);  // pairs with an expert here
     } else {
-      const int64_t size = a.counts[int64_t{k + 1} * a.chunks] - start;
-      const int64_t room = min64(a.C - start, size);
+      const int64_t room = min64(a.C - start, a.counts[int64_t{k + 1} * a.chunks] - start);
       a.sizes[k] = static_cast<int32_t>(room > 0 ? room : 0);
     }
   }
 }
 
+// Expert row of pair i, a first slot (C: dropped, or past expert_x).
+__device__ __forceinline__ int64_t layout_row(const LayoutArgs& a, int64_t i) {
+  const int32_t key = a.keys[i];
+  if (key < 0 || key >= a.L) return a.C;
+  const int64_t pos = int64_t{a.counts[int64_t{key} * a.chunks + i / kLayoutChunk]} + a.in_chunk[i];
+  return pos >= 0 && pos < a.C ? pos : a.C;
+}
+
 __global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
-  const int32_t recv = *a.num_recv, me = *a.me;
-  const int64_t filled = min64(a.sizes[a.L], a.C);
+  const int64_t m = a.rows * a.K, filled = min64(a.sizes[a.L], a.C);
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < a.rows; r += stride) {
-    for (int k = 0; k < a.K; ++k) {  // each pair's expert row (C: none, or past expert_x)
-      const int64_t i = r * a.K + k;
-      const int32_t key = a.keys[i];
-      int64_t pos = a.C;
-      if (key < a.L) {
-        pos = int64_t{a.counts[int64_t{key} * a.chunks + i / kRankChunk]} + a.in_chunk[i];
-        if (pos < 0 || pos >= a.C) pos = a.C;
-      }
-      if (pos < a.C) a.expert_token[pos] = static_cast<int32_t>(r);
-      a.targets[i] = static_cast<int32_t>(pos);
-    }
-    for (int k = 0; k < a.K; ++k) {  // a repeated expert's slots share its first slot's row
-      const int64_t i = r * a.K + k;
-      const int32_t id = local_expert(a, r, k, recv, me);
-      int j = 0;
-      while (j < k && local_expert(a, r, j, recv, me) != id) ++j;
-      a.recv_pos[i] = id < 0 ? static_cast<int32_t>(a.C) : a.targets[r * a.K + j];
-      a.recv_w[i] = id < 0 ? 0.0f : a.route[r * 2 * a.K + k];
-    }
+  const int64_t start = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (int64_t i = start; i < m; i += stride) {
+    const int32_t src = a.first[i];
+    const bool here = src >= 0 && src <= i;
+    const int64_t pos = here ? layout_row(a, src) : a.C;
+    a.recv_pos[i] = static_cast<int32_t>(pos);
+    a.targets[i] = static_cast<int32_t>(src == i ? pos : a.C);
+    a.recv_w[i] = here ? a.route[(i / a.K) * 2 * a.K + i % a.K] : 0.0f;
+    if (src == i && pos < a.C) a.expert_token[pos] = static_cast<int32_t>(i / a.K);
   }
-  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  for (int64_t q = filled + first; q < a.C; q += stride) {
+  for (int64_t q = filled + start; q < a.C; q += stride) {
     a.expert_token[q] = static_cast<int32_t>(a.rows);
   }
-  for (int64_t f = first; f < a.F; f += stride) {
+  for (int64_t f = start; f < a.F; f += stride) {
     a.fill[f] = static_cast<int32_t>(a.zero_fill ? (f >= filled ? f : -1) : filled + f);
   }
 }
 
+size_t layout_count_smem(int32_t K, int32_t L) {
+  return (int64_t{L} + 1 + K - 1 + 3 * kLayoutChunk) * sizeof(int32_t);
+}
+
 cudaError_t launch_layout(cudaStream_t s, const LayoutArgs& a) {
+  const int64_t m = a.rows * a.K;
   if (a.chunks > 0) {
-    layout_count_kernel<<<static_cast<unsigned>(a.chunks), 32, (a.L + 1) * sizeof(int32_t), s>>>(a);
+    layout_count_kernel<<<static_cast<unsigned>(a.chunks), kLayoutChunk,
+                          layout_count_smem(a.K, a.L), s>>>(a);
   }
   layout_scan_kernel<<<1, kScanThreads, 0, s>>>(a);
-  layout_place_kernel<<<grid_for(std::max(a.rows, std::max(a.C, a.F)), kThreads), kThreads, 0,
-                        s>>>(a);
+  layout_place_kernel<<<grid_for(std::max(m, std::max(a.C, a.F)), kThreads), kThreads, 0, s>>>(a);
   return cudaGetLastError();
 }
 
@@ -589,16 +629,18 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
   a.C = expert_token->element_count();
   a.L = static_cast<int32_t>(sizes->element_count() - 1);
   a.F = fill->element_count();
-  a.chunks = rank_chunks(m);
+  a.chunks = layout_chunks(m);
   const int64_t Kp = int64_t{a.L} + 1;
-  if (a.L < 1 || Kp > kMaxRankKeys || recv_pos->element_count() != m ||
-      targets->element_count() != m || recv_w->element_count() != m ||
-      scratch->element_count() != 2 * m + Kp * a.chunks || a.C > INT32_MAX || m > INT32_MAX) {
+  if (a.L < 1 || a.K > kLayoutChunk || layout_count_smem(a.K, a.L) > 48 * 1024 ||
+      recv_pos->element_count() != m || targets->element_count() != m ||
+      recv_w->element_count() != m || scratch->element_count() != 3 * m + Kp * a.chunks ||
+      a.C > INT32_MAX || m > INT32_MAX) {
     return ffi::Error::InvalidArgument(
         where + "results must be recv_pos, targets, recv_w (R, K), expert_token (C,), sizes "
-        "(L + 1,) with 1 <= L < " + std::to_string(kMaxRankKeys) + ", fill (F,) and scratch "
-        "(2 M + (L + 1) ceil(M / " + std::to_string(kRankChunk) + "),) for M = R K = " +
-        std::to_string(m));
+        "(L + 1,), fill (F,) and scratch (3 M + (L + 1) ceil(M / " +
+        std::to_string(kLayoutChunk) + "),) for M = R K = " + std::to_string(m) +
+        ", with K <= " + std::to_string(kLayoutChunk) + " and L + K + " +
+        std::to_string(3 * kLayoutChunk) + " <= 12288");
   }
   a.route = route.typed_data();
   a.num_recv = num_recv.typed_data();
@@ -611,7 +653,8 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
   a.fill = fill->typed_data();
   a.keys = scratch->typed_data();
   a.in_chunk = a.keys + m;
-  a.counts = a.in_chunk + m;
+  a.first = a.in_chunk + m;
+  a.counts = a.first + m;
   a.zero_fill = zero_fill != 0;
   const cudaError_t e = launch_layout(stream, a);
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
@@ -1001,7 +1044,7 @@ int64_t rank_selftest(cudaStream_t s, Next& next) {
 // each routed pair once. Returns the out-of-range values, or -1 when CUDA fails.
 template <typename Next>
 int64_t layout_selftest(cudaStream_t s, Next& next) {
-  const int64_t R = 3 * kRankChunk / 8 + 29, C = 500, F = 40;
+  const int64_t R = 3 * kLayoutChunk / 8 + 29, C = 500, F = 40;
   const int32_t K = 8, L = 13, me = 2, recv = static_cast<int32_t>(R - 11);
   const float odd[] = {NAN, INFINITY, -INFINITY, 3e9f, -2.0f, -1.0f, 1e30f};
   std::vector<float> route(R * 2 * K);
@@ -1013,8 +1056,8 @@ int64_t layout_selftest(cudaStream_t s, Next& next) {
                                  : u < 8 ? static_cast<float>(next() % (5 * L)) : odd[next() % 7];
     }
   }
-  const int64_t m = R * K, chunks = rank_chunks(m);
-  const int64_t ints = 3 * m + C + (L + 1) + F + 2 * m + (L + 1) * chunks;
+  const int64_t m = R * K, chunks = layout_chunks(m);
+  const int64_t ints = 3 * m + C + (L + 1) + F + 3 * m + (L + 1) * chunks;
   void *d_route = nullptr, *d_ints = nullptr, *d_w = nullptr;
   auto ok = [](cudaError_t e) { return e == cudaSuccess; };
   std::vector<int32_t> out(ints);
@@ -1035,7 +1078,8 @@ int64_t layout_selftest(cudaStream_t s, Next& next) {
     a.fill = a.sizes + L + 1;
     a.keys = a.fill + F;
     a.in_chunk = a.keys + m;
-    a.counts = a.in_chunk + m;
+    a.first = a.in_chunk + m;
+    a.counts = a.first + m;
     a.recv_w = static_cast<float*>(d_w);
     a.rows = R, a.C = C, a.F = F, a.chunks = chunks, a.K = K, a.L = L, a.zero_fill = false;
     if (ok(cudaMemcpy(p + ints, scalars, 8, cudaMemcpyHostToDevice)) &&
