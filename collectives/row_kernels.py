@@ -418,8 +418,8 @@ def expert_layout(route, num_recv, me, *, experts: int, rows: int, fill_rows: in
     out = expert_layout_p.bind(route, *scalars, experts=int(experts), rows=int(rows),
                                fill_rows=int(rows if zero_fill else min(fill_rows, rows)),
                                zero_fill=bool(zero_fill), kernel=_want_kernels())
-    recv_pos, targets, recv_w, expert_token, sizes, fill, _ = out
-    return ExpertLayout(recv_pos, targets, recv_w, expert_token, sizes[:-1], sizes[-1], fill)
+    recv_pos, targets, recv_w, expert_token, sizes, num_pairs, fill, _ = out
+    return ExpertLayout(recv_pos, targets, recv_w, expert_token, sizes, num_pairs[0], fill)
 
 
 def _expert_layout_reference(route, num_recv, me, *, experts, rows, fill_rows, zero_fill,
@@ -448,8 +448,7 @@ def _expert_layout_reference(route, num_recv, me, *, experts, rows, fill_rows, z
             else filled + jnp.arange(fill_rows, dtype=i32))
     scratch = jnp.zeros((_layout_scratch(R * K, L),), i32)
     return [recv_pos.astype(i32), targets.astype(i32), recv_w, expert_token.astype(i32),
-            jnp.concatenate([group_sizes, num_pairs[None]]).astype(i32), fill.astype(i32),
-            scratch]
+            group_sizes.astype(i32), num_pairs[None], fill.astype(i32), scratch]
 
 
 LAYOUT_CHUNK = 1024  # pairs per chunk of the layout kernels (their kLayoutChunk)
@@ -465,7 +464,7 @@ def _expert_layout_abstract(route, num_recv, me, *, experts, rows, fill_rows, ze
     R, K = route.shape[0], route.shape[1] // 2
     i32 = lambda *shape: route.update(shape=shape, dtype=jnp.int32, weak_type=False)  # noqa: E731
     return [i32(R, K), i32(R, K), route.update(shape=(R, K), weak_type=False), i32(rows),
-            i32(experts + 1), i32(fill_rows), i32(_layout_scratch(R * K, experts))]
+            i32(experts), i32(1), i32(fill_rows), i32(_layout_scratch(R * K, experts))]
 
 
 expert_layout_p = _primitive(
@@ -473,7 +472,7 @@ expert_layout_p = _primitive(
     ("experts", "rows", "fill_rows", "zero_fill", "kernel"),
     ffi_attrs=lambda *, zero_fill, **_: dict(zero_fill=np.int64(zero_fill)),
     kernel_fits=lambda ctx, *, experts, rows, **_: (
-        experts + ctx.avals_in[0].shape[1] // 2 + 3 * LAYOUT_CHUNK <= MAX_RANK_KEYS
+        experts + ctx.avals_in[0].shape[1] // 2 + LAYOUT_CHUNK <= MAX_RANK_KEYS
         and rows < 2 ** 31 and ctx.avals_in[0].shape[0] * ctx.avals_in[0].shape[1] // 2 < 2 ** 31),
     multiple_results=True)
 

@@ -31,13 +31,14 @@ def expert_rows_read(recv_pos, C):
 class Expanded:
     """``expert_x`` ``(C, H)`` and the handle fields that describe it (see ``EPHandle``):
     ``group_sizes`` ``(L,)``, ``recv_pos`` and ``recv_weights`` ``(R, K)`` per row of the receive
-    buffer, ``expert_token`` ``(C,)``."""
+    buffer, ``expert_token`` ``(C,)``; ``num_grouped``: ``sum(group_sizes)``."""
 
     expert_x: jax.Array
     group_sizes: jax.Array
     recv_pos: jax.Array
     recv_weights: jax.Array
     expert_token: jax.Array
+    num_grouped: jax.Array
 
 
 def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
@@ -82,4 +83,5 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     else:
         expert_x = row_kernels.scatter(buf_x, targets, fill, C)
 
-    return Expanded(expert_x, lay.group_sizes, recv_pos, recv_w, lay.expert_token)
+    return Expanded(expert_x, lay.group_sizes, recv_pos, recv_w, lay.expert_token,
+                    jnp.minimum(lay.num_pairs, C))

@@ -158,7 +158,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
         plan=plan.kind,
         group_sizes=ex.group_sizes,
         num_recv_tokens=num_recv.astype(i32)[None],
-        num_dropped=(expected - jnp.sum(ex.group_sizes)).astype(i32)[None],
+        num_dropped=(expected - ex.num_grouped).astype(i32)[None],
         num_invalid=layout.num_invalid[None],
         traffic=jnp.stack([tok[me], kept[:, me]]),
         link_rows=sent,

@@ -418,7 +418,8 @@ struct LayoutArgs {
   int32_t* targets;       // (R, K)
   float* recv_w;          // (R, K)
   int32_t* expert_token;  // (C,)
-  int32_t* sizes;         // (L + 1,): group sizes, then the pairs routed here (uncapped)
+  int32_t* sizes;         // (L,): group sizes
+  int32_t* num_pairs;     // (1,): the pairs routed here (uncapped)
   int32_t* fill;          // (F,)
   int32_t* keys;          // scratch (M,): local expert of a first slot, else L
   int32_t* in_chunk;      // scratch (M,): rank among the chunk's pairs with the same key
@@ -443,12 +444,10 @@ __device__ __forceinline__ int32_t local_expert(const LayoutArgs& a, int64_t i, 
 }
 
 __global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a) {
-  extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 halo + chunk) | keys | ranks
+  extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 halo + chunk)
   const int32_t Kp = a.L + 1, halo = a.K - 1, recv = *a.num_recv, me = *a.me;
   int32_t* seen = smem;
   int32_t* ids = seen + Kp;
-  int32_t* keys = ids + halo + kLayoutChunk;
-  int32_t* ranks = keys + kLayoutChunk;
   const int t = threadIdx.x;
   const int64_t m = a.rows * a.K, first = int64_t{blockIdx.x} * kLayoutChunk, i = first + t;
   for (int32_t k = t; k < Kp; k += kLayoutChunk) seen[k] = 0;
@@ -467,24 +466,27 @@ __global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a
       if (j == k) key = id;
     }
   }
-  keys[t] = key;
-  __syncthreads();
-  if (t < 32) {  // one warp ranks the chunk in order, 32 keys at a time
-    const unsigned below = (1u << t) - 1u;
-    for (int step = 0; step < kLayoutChunk; step += 32) {
-      const int32_t k = keys[step + t];
-      const unsigned peers = __match_any_sync(0xffffffffu, k);
-      const int32_t before = k < Kp ? seen[k] : 0;
-      __syncwarp();
-      if (k < Kp && t == __ffs(peers) - 1) seen[k] = before + __popc(peers);
-      ranks[step + t] = before + __popc(peers & below);
-      __syncwarp();
+  // rank among the chunk's pairs with this key: lanes with equal keys find each other
+  // (__match_any_sync, every warp at once), then the warps add their counts in order
+  const unsigned peers = __match_any_sync(0xffffffffu, key);
+  const int lane = t % 32, warp = t / 32, leader = __ffs(peers) - 1;
+  int32_t before = 0;
+  for (int w = 0; w < kLayoutChunk / 32; ++w) {
+    if (warp == w) {
+      int32_t b = 0;
+      if (key < Kp && lane == leader) {
+        b = seen[key];
+        seen[key] = b + __popc(peers);
+      }
+      before = __shfl_sync(0xffffffffu, b, leader);
     }
+    __syncthreads();
   }
+  const int32_t rank = before + __popc(peers & ((1u << lane) - 1u));
   __syncthreads();
   if (i < m) {
     a.keys[i] = key;
-    a.in_chunk[i] = ranks[t];
+    a.in_chunk[i] = rank;
     a.first[i] = src;
   }
   for (int32_t k = t; k < Kp; k += kLayoutChunk) a.counts[int64_t{k} * a.chunks + blockIdx.x] = seen[k];
@@ -517,8 +519,11 @@ __device__ __forceinline__ int32_t block_exclusive_scan(int32_t v, int32_t* warp
   return out;
 }
 
+// A tile index skewed by one word per 32 (thread t's eight consecutive entries hit eight banks).
+__device__ __forceinline__ int skew(int e) { return e + (e >> 5); }
+
 __global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a) {
-  __shared__ int32_t tile[kScanTile];
+  __shared__ int32_t tile[kScanTile + kScanTile / 32];
   __shared__ int32_t warp_sums[32];
   __shared__ int32_t tile_total;
   constexpr int per = kScanTile / kScanThreads;
@@ -529,24 +534,24 @@ __global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a)
 #pragma unroll
     for (int j = 0; j < per; ++j) {  // coalesced: every load in flight at once
       const int64_t e = base + j * kScanThreads + t;
-      tile[j * kScanThreads + t] = e < n ? a.counts[e] : 0;
+      tile[skew(j * kScanThreads + t)] = e < n ? a.counts[e] : 0;
     }
     __syncthreads();
     int32_t sum = 0;
 #pragma unroll
-    for (int j = 0; j < per; ++j) sum += tile[t * per + j];
+    for (int j = 0; j < per; ++j) sum += tile[skew(t * per + j)];
     int32_t run = carry + block_exclusive_scan(sum, warp_sums, &tile_total);
 #pragma unroll
     for (int j = 0; j < per; ++j) {
-      const int32_t c = tile[t * per + j];
-      tile[t * per + j] = run;
+      const int32_t c = tile[skew(t * per + j)];
+      tile[skew(t * per + j)] = run;
       run += c;
     }
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < per; ++j) {
       const int64_t e = base + j * kScanThreads + t;
-      if (e < n) a.counts[e] = tile[j * kScanThreads + t];
+      if (e < n) a.counts[e] = tile[skew(j * kScanThreads + t)];
     }
     carry += tile_total;
     __syncthreads();
@@ -554,7 +559,7 @@ __global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a)
   for (int32_t k = t; k <= a.L; k += kScanThreads) {  // (this block's writes: visible after sync)
     const int64_t start = a.counts[int64_t{k} * a.chunks];
     if (k == a.L) {
-      a.sizes[k] = static_cast<int32_t>(start);  // pairs with an expert here
+      *a.num_pairs = static_cast<int32_t>(start);  // pairs with an expert here
     } else {
       const int64_t room = min64(a.C - start, a.counts[int64_t{k + 1} * a.chunks] - start);
       a.sizes[k] = static_cast<int32_t>(room > 0 ? room : 0);
@@ -571,7 +576,7 @@ __device__ __forceinline__ int64_t layout_row(const LayoutArgs& a, int64_t i) {
 }
 
 __global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
-  const int64_t m = a.rows * a.K, filled = min64(a.sizes[a.L], a.C);
+  const int64_t m = a.rows * a.K, filled = min64(*a.num_pairs, a.C);
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   const int64_t start = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   for (int64_t i = start; i < m; i += stride) {
@@ -592,7 +597,7 @@ __global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
 }
 
 size_t layout_count_smem(int32_t K, int32_t L) {
-  return (int64_t{L} + 1 + K - 1 + 3 * kLayoutChunk) * sizeof(int32_t);
+  return (int64_t{L} + K + kLayoutChunk) * sizeof(int32_t);
 }
 
 cudaError_t launch_layout(cudaStream_t s, const LayoutArgs& a) {
@@ -613,6 +618,7 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_w,
                         ffi::Result<ffi::Buffer<ffi::S32>> expert_token,
                         ffi::Result<ffi::Buffer<ffi::S32>> sizes,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_pairs,
                         ffi::Result<ffi::Buffer<ffi::S32>> fill,
                         ffi::Result<ffi::Buffer<ffi::S32>> scratch, int64_t zero_fill) {
   const std::string where = "ep_comm rows expert_layout: ";
@@ -627,20 +633,20 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
   a.K = static_cast<int32_t>(rd[1] / 2);
   const int64_t m = a.rows * a.K;
   a.C = expert_token->element_count();
-  a.L = static_cast<int32_t>(sizes->element_count() - 1);
+  a.L = static_cast<int32_t>(sizes->element_count());
   a.F = fill->element_count();
   a.chunks = layout_chunks(m);
   const int64_t Kp = int64_t{a.L} + 1;
-  if (a.L < 1 || a.K > kLayoutChunk || layout_count_smem(a.K, a.L) > 48 * 1024 ||
+  if (a.L < 1 || num_pairs->element_count() != 1 || a.K > kLayoutChunk || layout_count_smem(a.K, a.L) > 48 * 1024 ||
       recv_pos->element_count() != m || targets->element_count() != m ||
       recv_w->element_count() != m || scratch->element_count() != 3 * m + Kp * a.chunks ||
       a.C > INT32_MAX || m > INT32_MAX) {
     return ffi::Error::InvalidArgument(
         where + "results must be recv_pos, targets, recv_w (R, K), expert_token (C,), sizes "
-        "(L + 1,), fill (F,) and scratch (3 M + (L + 1) ceil(M / " +
+        "(L,), num_pairs (1,), fill (F,) and scratch (3 M + (L + 1) ceil(M / " +
         std::to_string(kLayoutChunk) + "),) for M = R K = " + std::to_string(m) +
         ", with K <= " + std::to_string(kLayoutChunk) + " and L + K + " +
-        std::to_string(3 * kLayoutChunk) + " <= 12288");
+        std::to_string(kLayoutChunk) + " <= 12288");
   }
   a.route = route.typed_data();
   a.num_recv = num_recv.typed_data();
@@ -650,6 +656,7 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
   a.recv_w = recv_w->typed_data();
   a.expert_token = expert_token->typed_data();
   a.sizes = sizes->typed_data();
+  a.num_pairs = num_pairs->typed_data();
   a.fill = fill->typed_data();
   a.keys = scratch->typed_data();
   a.in_chunk = a.keys + m;
@@ -1075,7 +1082,8 @@ int64_t layout_selftest(cudaStream_t s, Next& next) {
     a.targets = p + m;
     a.expert_token = p + 2 * m;
     a.sizes = a.expert_token + C;
-    a.fill = a.sizes + L + 1;
+    a.num_pairs = a.sizes + L;
+    a.fill = a.num_pairs + 1;
     a.keys = a.fill + F;
     a.in_chunk = a.keys + m;
     a.first = a.in_chunk + m;
@@ -1241,7 +1249,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertLayout, ExpertLayout,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // targets (R, K)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // recv_w (R, K)
                                   .Ret<ffi::Buffer<ffi::S32>>()   // expert_token (C,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // sizes (L + 1,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // group sizes (L,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_pairs (1,)
                                   .Ret<ffi::Buffer<ffi::S32>>()   // fill (F,)
                                   .Ret<ffi::Buffer<ffi::S32>>()   // scratch
                                   .Attr<int64_t>("zero_fill"));
