@@ -20,7 +20,10 @@ counting sort, to float32 reassociation for :func:`gather_sum`).
   :func:`key_counts` and :func:`key_ranks` its two kernels.
 - :func:`scatter_dequant`: :func:`scatter` of FP8 wire rows, each dequantized once on the way
   (dispatch's receive side with ``EPConfig(wire_format=...)``; :func:`quantize_blocks` and
-  :func:`dequantize_blocks` are the FP8 formats' math, in XLA).
+  :func:`dequantize_blocks` are the FP8 formats' math, in XLA);
+  :func:`scatter_fake_quant` the same values straight from unquantized rows (one rank: no wire).
+- :func:`expert_layout`: dispatch's receive-side layout (the counting sort of the received
+  (row, expert) pairs and every index expand and the handle need) as one op: three kernels.
 
 And :func:`empty`: a buffer for an exchange to receive into, left uninitialised on GPUs (no
 memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
@@ -713,6 +716,62 @@ scatter_dequant_p = _primitive(
     ("rows", "hidden", "block", "mx", "dtype", "kernel"),
     ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)))
 ad.primitive_jvps[scatter_dequant_p] = _scatter_dequant_jvp
+
+
+def scatter_fake_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
+    """Rows of ``table`` ``(N, H)`` after the FP8 wire's round trip (:func:`quantize_blocks`, then
+    :func:`dequantize_blocks` to the table's dtype), placed as :func:`scatter` places rows: the
+    values dispatch delivers with a wire format when nothing crosses a wire (one rank), each row
+    read once and quantized in registers (no FP8 buffer). The bytes never exist, so no gradient
+    flows through them: the result is constant in ``table`` (dispatch attaches the
+    straight-through gradient)."""
+    table = jnp.asarray(table)
+    pos = jnp.asarray(pos).astype(jnp.int32)
+    fill = jnp.asarray(fill).astype(jnp.int32)
+    if (table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating) or pos.ndim != 2
+            or pos.shape[0] != table.shape[0] or fill.ndim != 1):
+        raise ValueError(f"row_kernels.scatter_fake_quant: table must be floating (N, H), pos "
+                         f"(N, K) and fill 1-D, got table {table.dtype} {tuple(table.shape)}, pos "
+                         f"{tuple(pos.shape)} and fill {tuple(fill.shape)}")
+    if int(rows) < 0 or int(block) < 1:
+        raise ValueError(f"row_kernels.scatter_fake_quant: rows must be >= 0 and block >= 1, got "
+                         f"rows={rows} and block={block}")
+    table, pos, fill = _same_vma(jax.lax.stop_gradient(table), pos, fill)
+    return scatter_fake_quant_p.bind(table, pos, fill, rows=int(rows), block=int(block),
+                                     mx=bool(mx), kernel=_want_kernels())
+
+
+def _scatter_fake_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None):
+    values, scales = quantize_blocks(table, block, mx)
+    scales = e8m0_scales(scales) if mx else scales
+    rows_out = dequantize_blocks(values, scales, block, table.dtype)
+    return _scatter_reference(rows_out, pos, fill, rows=rows)
+
+
+def _fake_quant_fits(ctx, *, block, **_):
+    """The kernel's shapes: 16-bit or float32 rows of whole blocks of 1-32 16-byte pieces."""
+    table = ctx.avals_in[0]
+    v = 16 // table.dtype.itemsize
+    g = block // v if block % v == 0 else 0
+    return (table.dtype in (jnp.bfloat16, jnp.float16, jnp.float32) and 1 <= g <= 32
+            and g & (g - 1) == 0 and table.shape[1] % block == 0)
+
+
+scatter_fake_quant_p = _primitive(
+    "ep_comm_rows_scatter_fake_quant", _scatter_fake_quant_reference,
+    lambda table, pos, fill, *, rows, block, mx, kernel: table.update(
+        shape=(rows, table.shape[1]), weak_type=False),
+    ("rows", "block", "mx", "kernel"),
+    ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
+    kernel_fits=_fake_quant_fits)
+
+
+def _scatter_fake_quant_jvp(primals, tangents, **params):
+    out = scatter_fake_quant_p.bind(*primals, **params)
+    return out, _zero_tangent(out)
+
+
+ad.primitive_jvps[scatter_fake_quant_p] = _scatter_fake_quant_jvp
 
 
 # --- empty ----------------------------------------------------------------------------------------

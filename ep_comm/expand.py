@@ -42,15 +42,17 @@ class Expanded:
 
 
 def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
-           split_at=None) -> Expanded:
+           split_at=None, round_trip=False) -> Expanded:
     """Rows of ``route``'s receive buffer (the first ``num_recv`` in the flat order are used) into
     ``expert_x``: rows ordered by local expert, then (source rank, source token, k); the rows past
     ``sum(group_sizes)``: the first :data:`ZERO_TAIL_ROWS` zero, the others unspecified (zero with
     ``cfg.zero_fill``). ``dequantize_to=(hidden, dtype)``: the buffer holds FP8 wire rows
     (``cfg.wire_format``) and ``expert_x`` their dequantized values, gathered and dequantized in
     one pass; ``split_at=hidden``: the buffer holds FP8 wire rows and ``expert_x`` is their
-    ``(values, scales)`` bytes, each written apart. Pairs past ``cfg.expert_rows`` are dropped
-    (counted by dispatch)."""
+    ``(values, scales)`` bytes, each written apart; ``round_trip``: the buffer holds unquantized
+    rows (one rank, no wire) and ``expert_x`` the values the FP8 wire would deliver, quantized
+    and dequantized in one pass. Pairs past ``cfg.expert_rows`` are dropped (counted by
+    dispatch)."""
     R, C, L = cfg.recv_token_rows, cfg.expert_rows, cfg.experts_per_rank
     buf_x, buf_route, flat_to_buf = route.x, route.route, route.flat_to_buf
     # routing in the flat order (source rank, source token); flat_to_buf: the receive-buffer row
@@ -72,7 +74,9 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     fill = lay.fill
     if cfg.wire_format is not None:
         block, mx = wire.BLOCK[cfg.wire_format], cfg.wire_format == "mxfp8"
-    if dequantize_to is not None:  # FP8 rows: each dequantized once, on the way
+    if round_trip:  # no wire: each row quantized and dequantized in registers
+        expert_x = row_kernels.scatter_fake_quant(buf_x, targets, fill, C, block=block, mx=mx)
+    elif dequantize_to is not None:  # FP8 rows: each dequantized once, on the way
         hidden, dtype = dequantize_to
         expert_x = row_kernels.scatter_dequant(buf_x, targets, fill, C, hidden=hidden,
                                                block=block, mx=mx, dtype=dtype)

@@ -132,9 +132,11 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
 
     # 3. move tokens and routing (weights, and ids as float32: exact below 2**24) to the ranks.
     route = jnp.concatenate([topk_weights.astype(jnp.float32), topk_ids.astype(jnp.float32)], 1)
-    # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes
-    rows = x if cfg.wire_format is None else wire.pack_rows(x, cfg.wire_format)
+    # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes (with
+    # no wire, one rank, dequantized rows come from x in one pass: the bytes never exist)
     local = is_local(cfg, plan.kind)
+    round_trip = local and cfg.wire_format is not None and not return_quantized
+    rows = x if cfg.wire_format is None or round_trip else wire.pack_rows(x, cfg.wire_format)
     if hierarchical:
         moved = hierarchical_route(cfg, plan, rows, route, node, in_node, kept,
                                    counts[:, 2 * n:], me)
@@ -145,12 +147,12 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
 
     # 4. expand into groups contiguous per local expert.
     num_recv = jnp.sum(kept[:, me])
-    dequantize_to = (None if cfg.wire_format is None or return_quantized
+    dequantize_to = (None if cfg.wire_format is None or return_quantized or round_trip
                      else (x.shape[1], x.dtype))
     # (a local route's buffer holds every token: all its rows count, those without an expert
     # here carry none)
     ex = expand(cfg, moved, R if local else num_recv, me, dequantize_to,
-                split_at=x.shape[1] if return_quantized else None)
+                split_at=x.shape[1] if return_quantized else None, round_trip=round_trip)
     sent = link_rows(plan, moved.legs, me)  # per link class, dispatch and combine
     expected = jnp.sum(pairs[:, me])
     handle = EPHandle(

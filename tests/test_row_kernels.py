@@ -458,6 +458,62 @@ def test_scatter_dequant_kernel_bitwise(fmt, dtype, H):
                                   np.asarray(want, np.float32)[defined])
 
 
+def _fake_quant_case(fmt, dtype, H, seed):
+    rng = np.random.default_rng(seed)
+    N, K, C = 64, 3, 300
+    x = jnp.asarray(_hard_rows(rng.standard_t(2, (N, H))), dtype)
+    pos = rng.permutation(C)[:N * K].reshape(N, K)
+    bad = rng.random((N, K)) < 0.3
+    pos = np.where(bad, rng.choice(np.array([-1, -2 ** 31, C, 2 ** 31 - 1]), (N, K)), pos)
+    free = np.setdiff1d(np.arange(C), pos)
+    fill = np.concatenate([rng.choice(free, 20, replace=False), [-5, C]])
+    defined = np.isin(np.arange(C), np.concatenate([pos[~bad], fill[:20]]))
+    return x, jnp.asarray(pos, jnp.int32), jnp.asarray(fill, jnp.int32), C, defined
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
+def test_scatter_fake_quant_is_the_wire_round_trip(fmt):
+    """One rank's FP8 path (no bytes) delivers what the wire does: pack, scatter, dequantize."""
+    from ep_comm import wire
+
+    x, pos, fill, C, defined = _fake_quant_case(fmt, jnp.bfloat16, 256, 1)
+    block, mx = wire.BLOCK[fmt], fmt == "mxfp8"
+    got = jax.jit(lambda t, p, f: row_kernels.scatter_fake_quant(t, p, f, C, block=block,
+                                                                 mx=mx))(x, pos, fill)
+    want = jax.jit(lambda t, p, f: row_kernels.scatter_dequant(
+        wire.pack_rows(t, fmt), p, f, C, hidden=256, block=block, mx=mx,
+        dtype=jnp.bfloat16))(x, pos, fill)
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[defined],
+                                  np.asarray(want, np.float32)[defined])
+    t = [int(r) for r in np.asarray(pos)[1] if 0 <= r < C][0]  # row 1 holds an Inf at column 3
+    row = np.asarray(got, np.float32)[t]
+    assert np.isnan(row[:block]).all() and np.isfinite(row[block:]).all()  # its block, only
+    g = jax.grad(lambda t: jnp.sum(row_kernels.scatter_fake_quant(t, pos, fill, C, block=block,
+                                                                  mx=mx).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(g(x), np.float32), 0.0)  # bytes: no gradient
+    with pytest.raises(ValueError, match=r"row_kernels.scatter_fake_quant: table must be "
+                       r"floating \(N, H\), pos \(N, K\) and fill 1-D, got table int32"):
+        row_kernels.scatter_fake_quant(jnp.zeros((4, 8), jnp.int32), pos[:4], fill, C,
+                                       block=block, mx=mx)
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("H", [7168, 256])
+def test_scatter_fake_quant_kernel_bitwise(fmt, dtype, H):
+    """The one-kernel round trip equals the XLA math bit for bit on the quantizer's corner rows
+    (Inf, NaN, zero, tiny, subnormal, huge, rounding and saturation boundaries)."""
+    from ep_comm import wire
+
+    x, pos, fill, C, defined = _fake_quant_case(fmt, dtype, H, H)
+    fn = lambda t, p, f: row_kernels.scatter_fake_quant(  # noqa: E731
+        t, p, f, C, block=wire.BLOCK[fmt], mx=fmt == "mxfp8")
+    got, want = _both(fn, x, pos, fill)
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[defined],
+                                  np.asarray(want, np.float32)[defined])
+
+
 @gpu_only
 @pytest.mark.parametrize("case", LAYOUT_CASES + [
     (32768, 8, 32, 262144, 30000, 3, 8, False), (4096, 8, 256, 32768, 4096, 0, 1, False),

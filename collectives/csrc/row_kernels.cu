@@ -16,6 +16,8 @@
 //   ep_comm_rows_scatter_dequant  scatter's FP8 form: each FP8 row (values, then block scales)
 //                            read once, dequantized and written to its rows (the FP8 wire's
 //                            receive side); rows as scatter's.
+//   ep_comm_rows_scatter_fake_quant  scatter's rows after the FP8 wire's round trip (quantized
+//                            and dequantized in registers; one rank, where nothing crosses a wire).
 //   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
 //   ep_comm_rows_key_count   counts[c, k]: entries of chunk c (kRankChunk entries each) with key k
 //                            (a key outside [0, num_keys) counts as num_keys - 1).
@@ -920,6 +922,151 @@ ffi::Error ScatterDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---- scatter_fake_quant -------------------------------------------------------------------------
+// The FP8 wire's round trip without a wire (one rank: the receive buffer is x itself): each row of
+// x read once, quantized per block exactly as the sender's XLA math does (ep_comm.wire: subnormal
+// inputs as signed zero; e4m3: scale = max(amax * fl(1/448), 2**-126), x * (1 / scale) with IEEE
+// division; mxfp8: exponent floor(log2 amax) - 8 clamped to [-127, 127], x * 2**-e exactly;
+// saturation at 448 keeping NaN; round to nearest even; a block holding Inf or NaN all NaN),
+// dequantized as scatter_dequant does (value * scale in float32, one rounding to T) and written to
+// each of its rows: the values dispatch delivers, with the traffic of a plain scatter. A thread
+// owns 16 bytes (V values) of a row; the G = block / V threads of a block reduce its amax with
+// shuffles.
+
+template <typename T, bool kMx>
+__global__ void __launch_bounds__(kThreads)
+scatter_fake_quant_kernel(const T* __restrict__ table, const int32_t* __restrict__ pos,
+                          const int32_t* __restrict__ fill, T* __restrict__ out, int64_t n, int K,
+                          int64_t n_fill, int64_t m, int64_t H, int block) {
+  constexpr int V = 16 / sizeof(T);
+  using P = Pack<T, V>;
+  const int G = block / V;  // threads per quantization block: a power of two <= 32
+  const int64_t units = H / V;
+  const float nan = __int_as_float(0x7fc00000), tiny = 1.1754943508222875e-38f;  // 2**-126
+  for (int64_t i = blockIdx.x; i < n + n_fill; i += gridDim.x) {
+    if (i >= n) {  // a row to zero
+      const int64_t r = fill[i - n];
+      if (r < 0 || r >= m) continue;
+      for (int64_t c = threadIdx.x; c < units; c += kThreads) reinterpret_cast<P*>(out + r * H)[c] = P{};
+      continue;
+    }
+    const int32_t* p = pos + i * K;
+    if (!any_target(p, K, m)) continue;
+    const P* src = reinterpret_cast<const P*>(table + i * H);
+    for (int64_t base = 0; base < units; base += kThreads) {  // every lane of a warp in step
+      const int64_t c = base + threadIdx.x;
+      const bool valid = c < units;
+      float v[V];
+      bool finite = true;
+      float amax = 0.0f;
+      if (valid) {
+        const uint4 bits = load_nc(reinterpret_cast<const uint4*>(src) + c);
+        P raw;
+        memcpy(&raw, &bits, sizeof(P));
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          float f = to_f32(raw.v[j]);
+          if (fabsf(f) < tiny) f = copysignf(0.0f, f);
+          v[j] = f;
+          const bool fin = isfinite(f);
+          finite &= fin;
+          amax = fmaxf(amax, fin ? fabsf(f) : 0.0f);
+        }
+      }
+      for (int o = G / 2; o > 0; o /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        finite = __shfl_xor_sync(0xffffffffu, static_cast<int>(finite), o) && finite;
+      }
+      if (!valid) continue;
+      float scale, inv = 0.0f;
+      int exponent = 0;
+      if constexpr (!kMx) {
+        scale = amax > 0.0f ? fmaxf(amax * (1.0f / 448.0f), tiny) : 1.0f;
+        if (!finite) scale = nan;
+        inv = 1.0f / scale;
+      } else {
+        int k = 0;
+        frexpf(amax > 0.0f ? amax : 1.0f, &k);
+        exponent = amax > 0.0f ? k - 1 - 8 : -127;
+        exponent = min(max(exponent, -127), 127);
+        scale = finite ? ldexpf(1.0f, exponent) : nan;
+      }
+      P o;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        float q = kMx ? (finite ? ldexpf(v[j], -exponent) : nan) : v[j] * inv;
+        if (!isnan(q)) q = fminf(fmaxf(q, -448.0f), 448.0f);
+        o.v[j] = from_f32<T>(dequant1(__nv_fp8_e4m3(q).__x, scale));
+      }
+      for (int k = 0; k < K; ++k) {
+        const int64_t r = p[k];
+        if (r >= 0 && r < m) reinterpret_cast<P*>(out + r * H)[c] = o;
+      }
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_scatter_fake_quant(cudaStream_t s, const void* table, const int32_t* pos,
+                                      const int32_t* fill, void* out, int64_t n, int K,
+                                      int64_t n_fill, int64_t m, int64_t H, int block, bool mx) {
+  const T* t = static_cast<const T*>(table);
+  T* o = static_cast<T*>(out);
+  if (mx) {
+    scatter_fake_quant_kernel<T, true><<<grid_for(n + n_fill, 1), kThreads, 0, s>>>(
+        t, pos, fill, o, n, K, n_fill, m, H, block);
+  } else {
+    scatter_fake_quant_kernel<T, false><<<grid_for(n + n_fill, 1), kThreads, 0, s>>>(
+        t, pos, fill, o, n, K, n_fill, m, H, block);
+  }
+  return cudaGetLastError();
+}
+
+ffi::Error ScatterFakeQuant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> pos,
+                            ffi::Buffer<ffi::S32> fill, ffi::Result<ffi::AnyBuffer> out,
+                            int64_t block, int64_t mx) {
+  const std::string where = "ep_comm rows scatter_fake_quant: ";
+  const auto tdims = table.dimensions(), odims = out->dimensions(), pdims = pos.dimensions();
+  if (tdims.size() != 2 || odims.size() != 2 || pdims.size() != 2 || pdims[0] != tdims[0] ||
+      odims[1] != tdims[1] || out->element_type() != table.element_type()) {
+    return ffi::Error::InvalidArgument(where + "table must be (N, H), pos (N, K) and the result "
+                                       "(M, H) of the table's type");
+  }
+  const int64_t n = tdims[0], H = tdims[1], m = odims[0];
+  const int64_t V = 16 / static_cast<int64_t>(ffi::ByteWidth(table.element_type()));
+  const int64_t G = V > 0 && block % V == 0 ? block / V : 0;
+  if (G < 1 || G > 32 || (G & (G - 1)) != 0 || H % block != 0 ||
+      !aligned(table.untyped_data(), 16) || !aligned(out->untyped_data(), 16)) {
+    return ffi::Error::InvalidArgument(where + "rows of " + std::to_string(H) + " values in "
+                                       "blocks of " + std::to_string(block) + " need whole blocks "
+                                       "of 1 to 32 16-byte pieces, 16-byte aligned");
+  }
+  const int K = static_cast<int>(pdims[1]);
+  const int64_t n_fill = fill.element_count();
+  if (m == 0 || H == 0 || (n * K == 0 && n_fill == 0)) return ffi::Error::Success();
+  const void* t = table.untyped_data();
+  const int32_t* p = pos.typed_data();
+  const int32_t* f = fill.typed_data();
+  void* o = out->untyped_data();
+  const int blk = static_cast<int>(block);
+  cudaError_t e;
+  switch (table.element_type()) {
+    case ffi::DataType::BF16:
+      e = launch_scatter_fake_quant<__nv_bfloat16>(stream, t, p, f, o, n, K, n_fill, m, H, blk, mx);
+      break;
+    case ffi::DataType::F16:
+      e = launch_scatter_fake_quant<__half>(stream, t, p, f, o, n, K, n_fill, m, H, blk, mx);
+      break;
+    case ffi::DataType::F32:
+      e = launch_scatter_fake_quant<float>(stream, t, p, f, o, n, K, n_fill, m, H, blk, mx);
+      break;
+    default:
+      return ffi::Error::InvalidArgument(where + "rows must be bfloat16, float16 or float32");
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
 // ---- empty --------------------------------------------------------------------------------------
 
 // A buffer for an exchange to write into, not initialised: the rows no segment covers are
@@ -1207,6 +1354,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatterDequant, ScatterDequant,
                                   .Attr<int64_t>("block")        // values per scale
                                   .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatterFakeQuant, ScatterFakeQuant,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // table (N, H)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
+                                  .Ret<ffi::AnyBuffer>()         // out (M, H)
+                                  .Attr<int64_t>("block")        // values per scale
+                                  .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kEmpty, Empty,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));
 
@@ -1271,5 +1428,6 @@ void* scatter_handler() { return reinterpret_cast<void*>(kScatter); }
 void* key_count_handler() { return reinterpret_cast<void*>(kKeyCount); }
 void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }
 void* expert_layout_handler() { return reinterpret_cast<void*>(kExpertLayout); }
+void* scatter_fake_quant_handler() { return reinterpret_cast<void*>(kScatterFakeQuant); }
 
 }  // namespace ep_comm::rows
