@@ -632,9 +632,10 @@ def quantize_blocks(x, block: int, mx: bool):
     else:
         # power-of-two scale: 2**(floor(log2(amax)) - 8), exponent clamped to e8m0's range;
         # frexp and ldexp keep every step exact (amax = m * 2**k, m in [0.5, 1))
+        # (at least 2**-126 but for an all-zero block: no scale is subnormal either)
         _, k = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
-        e = jnp.where(amax > 0, k - 1 - _E4M3_EMAX, -_E8M0_BIAS)
-        e = jnp.clip(e, -_E8M0_BIAS, _E8M0_BIAS).astype(jnp.int32)
+        e = jnp.where(amax > 0, jnp.maximum(k - 1 - _E4M3_EMAX, 1 - _E8M0_BIAS), -_E8M0_BIAS)
+        e = jnp.minimum(e, _E8M0_BIAS).astype(jnp.int32)
         q = jnp.ldexp(xb, -e)
         stored = jnp.where(finite, e + _E8M0_BIAS, _E8M0_NAN)[..., 0].astype(jnp.uint8)
         q = jnp.where(finite, q, jnp.nan)
@@ -645,13 +646,16 @@ def quantize_blocks(x, block: int, mx: bool):
 
 def dequantize_blocks(values, scales, block: int, dtype):
     """``values * scale`` per block of ``block`` elements along the last axis, in float32 (NaN
-    everywhere in a block whose scale is NaN), rounded once to ``dtype``. ``values``: ``(T, H)``
-    FP8; ``scales``: ``(T, ceil(H / block))`` float32."""
+    everywhere in a block whose scale is NaN; a product below ``2**-126`` in magnitude is signed
+    zero, on every platform), rounded once to ``dtype``. ``values``: ``(T, H)`` FP8; ``scales``:
+    ``(T, ceil(H / block))`` float32."""
     T, H = values.shape
     nb = -(-H // block)
     vb = jnp.pad(values.astype(jnp.float32), ((0, 0), (0, nb * block - H))).reshape(T, nb, block)
     s = scales.astype(jnp.float32)[..., None]
-    return jnp.where(jnp.isnan(s), jnp.nan, vb * s).reshape(T, -1)[:, :H].astype(dtype)
+    r = vb * s
+    r = jnp.where(jnp.abs(r) < _F32_TINY, jnp.copysign(np.float32(0.0), r), r)
+    return jnp.where(jnp.isnan(s), jnp.nan, r).reshape(T, -1)[:, :H].astype(dtype)
 
 
 def scale_bytes(hidden: int, block: int, mx: bool) -> int:

@@ -8,28 +8,33 @@ finite 448, no infinity):
   ``x * (1 / scale)``, the operations XLA makes of the divisions); a row of ``H`` elements costs
   ``H + 4 * ceil(H / 128)`` bytes (0.52x of bf16 at H = 7168).
 - ``"mxfp8"``: the OCP Microscaling (MX) v1.0 format: one E8M0 scale per 32 elements, a power of two
-  ``X = 2 ** (floor(log2(amax)) - 8)`` (8 = the exponent of e4m3's largest normal), stored as its
-  biased exponent (``uint8``, bias 127; 255 = NaN); values ``x / X`` rounded to nearest even and
+  ``X = 2 ** (floor(log2(amax)) - 8)`` (8 = the exponent of e4m3's largest normal; at least
+  ``2**-126``, and ``2**-127`` for an all-zero block), stored as its biased exponent (``uint8``,
+  bias 127; 255 = NaN); values ``x / X`` rounded to nearest even and
   saturated at +-448 (the spec's saturating conversion: ``amax / X`` can reach just under 512).
   ``H + ceil(H / 32)`` bytes per row.
 
 Policy for non-finite input (both formats): a block holding an Inf or a NaN dequantizes to NaN in
 every element. Nothing is ever clamped silently to a finite value: a non-finite activation stays
 visible after the exchange. All-zero blocks round-trip to exact zeros. Subnormal inputs
-(``|x| < 2**-126``) count as (signed) zero and an e4m3 scale is never below ``2**-126``, so no
-step depends on whether a platform flushes subnormals (every platform sends the same bytes).
+(``|x| < 2**-126``) count as (signed) zero, no scale of a nonzero block is below ``2**-126``, and a
+dequantized float32 product below ``2**-126`` is (signed) zero: no step depends on whether a
+platform flushes subnormals (every platform sends the same bytes and delivers the same values).
 
 Error bound per element (``tests/test_wire.py`` asserts it), ``s`` the block's scale: a value
 with ``|x| >= s * 2**-6`` (an e4m3 normal once scaled) is off by at most ``2**-4 * |x|`` (half a unit
 in the last of 3 mantissa bits); a smaller one by at most ``s * 2**-10`` (half the subnormal
-spacing ``2**-9``). MXFP8 values beyond ``448 * s`` saturate to it: off by less than
-``2**-3 * |x|`` (a block's largest value scales to just under 512).
+spacing ``2**-9``), and by ``2**-126`` more where the value delivered would be subnormal. MXFP8
+values beyond ``448 * s`` saturate to it: off by less than ``2**-3 * |x|`` (a block's largest
+value scales to just under 512).
 
 The math lives in :mod:`collectives.row_kernels` (``quantize_blocks``, ``dequantize_blocks``), in
 XLA: the sender's quantization runs as XLA fusions on every platform (a one-kernel version
 measured slower on the H200: 92 us against XLA's 64 us for 4096 x 7168 bf16 rows in e4m3), and the
 receiver's scatter with dequantization as one kernel on GPUs
-(:func:`collectives.row_kernels.scatter_dequant`), equal to the XLA math bit for bit.
+(:func:`collectives.row_kernels.scatter_dequant`), equal to the XLA math bit for bit. With one
+rank nothing crosses a wire: dispatch quantizes and dequantizes each row in registers as it
+scatters it (:func:`collectives.row_kernels.scatter_fake_quant`), the same values in one pass.
 """
 
 from __future__ import annotations

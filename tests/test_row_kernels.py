@@ -193,7 +193,7 @@ def _ieee_wire_rows(x, fmt):
             tail = scale[..., 0].view(np.uint8).reshape(T, -1)
         else:
             _, k = np.frexp(np.where(amax > 0, amax, np.float32(1)))
-            e = np.clip(np.where(amax > 0, k - 1 - 8, -127), -127, 127)
+            e = np.minimum(np.where(amax > 0, np.maximum(k - 1 - 8, -126), -127), 127)
             q = np.where(finite, np.ldexp(xf, -e).astype(np.float32), np.float32(np.nan))
             tail = np.where(finite, e + 127, 255)[..., 0].astype(np.uint8)
     q = np.where(np.isnan(q), q, np.clip(q, -448, 448)).astype(np.float32)
@@ -213,7 +213,36 @@ def test_quantize_is_the_ieee_math(fmt, H):
     for dtype in (jnp.bfloat16, jnp.float32):
         xd = np.asarray(jnp.asarray(x, dtype))
         got = jax.jit(lambda a: wire.pack_rows(a, fmt))(xd)
-        np.testing.assert_array_equal(np.asarray(got), _ieee_wire_rows(xd, fmt))
+        sent = _ieee_wire_rows(xd, fmt)
+        np.testing.assert_array_equal(np.asarray(got), sent)
+        # and the values delivered (one rank's one-pass round trip, the receive side's math)
+        block, mx = wire.BLOCK[fmt], fmt == "mxfp8"
+        delivered = jax.jit(lambda a: row_kernels.scatter_fake_quant(
+            a, jnp.arange(8)[:, None], jnp.zeros((0,), jnp.int32), 8, block=block, mx=mx))(xd)
+        np.testing.assert_array_equal(np.asarray(delivered, np.float32),
+                                      np.asarray(_ieee_delivered(sent, H, fmt, dtype), np.float32))
+
+
+def _ieee_delivered(rows, H, fmt, dtype):
+    """The values wire rows deliver, in numpy's IEEE float32 (value * scale, products below
+    2**-126 as signed zero, NaN for a NaN scale), rounded to ``dtype``."""
+    import ml_dtypes
+
+    from ep_comm import wire
+
+    block = wire.BLOCK[fmt]
+    T, nb = rows.shape[0], -(-H // block)
+    v = rows[:, :H].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(all="ignore"):
+        if fmt == "e4m3":
+            s = rows[:, H:H + 4 * nb].copy().view(np.float32)
+        else:
+            e = rows[:, H:H + nb].astype(np.int32)
+            s = np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 127))
+        s = np.repeat(s.astype(np.float32), block, axis=1)[:, :H]
+        r = (v * s).astype(np.float32)
+    r = np.where(np.abs(r) < np.float32(2.0 ** -126), np.copysign(np.float32(0), r), r)
+    return np.asarray(jnp.asarray(np.where(np.isnan(s), np.float32(np.nan), r), dtype))
 
 
 @pytest.mark.parametrize("M,num_keys", [(0, 3), (1, 1), (255, 5), (256, 5), (1000, 37),

@@ -37,7 +37,7 @@ def _block_scales(x, fmt):
         s = np.where(amax > 0, amax / 448.0, 1.0)
     else:
         e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 8, -127)
-        s = np.exp2(np.clip(e, -127, 127))
+        s = np.exp2(np.clip(e, np.where(amax > 0, -126, -127), 127))
     return np.repeat(s, b, axis=1)[:, :H].astype(np.float32)
 
 

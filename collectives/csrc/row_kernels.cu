@@ -806,10 +806,14 @@ __device__ __forceinline__ float block_scale(const uint8_t* scales, int64_t b) {
   }
 }
 
+// value * scale in float32; a product below 2**-126 is signed zero (as ep_comm.wire says: no
+// step depends on whether a platform flushes subnormals)
 __device__ __forceinline__ float dequant1(uint8_t byte, float s) {
   __nv_fp8_e4m3 f;
   f.__x = byte;
-  return isnan(s) ? __int_as_float(0x7fc00000) : static_cast<float>(f) * s;
+  const float r = static_cast<float>(f) * s;
+  return isnan(s) ? __int_as_float(0x7fc00000)
+                  : fabsf(r) < 1.1754943508222875e-38f ? copysignf(0.0f, r) : r;
 }
 
 template <typename Tout, bool kMx>
@@ -926,7 +930,8 @@ ffi::Error ScatterDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer
 // The FP8 wire's round trip without a wire (one rank: the receive buffer is x itself): each row of
 // x read once, quantized per block exactly as the sender's XLA math does (ep_comm.wire: subnormal
 // inputs as signed zero; e4m3: scale = max(amax * fl(1/448), 2**-126), x * (1 / scale) with IEEE
-// division; mxfp8: exponent floor(log2 amax) - 8 clamped to [-127, 127], x * 2**-e exactly;
+// division; mxfp8: exponent floor(log2 amax) - 8 clamped to [-126, 127] (-127: an all-zero
+// block), x * 2**-e exactly;
 // saturation at 448 keeping NaN; round to nearest even; a block holding Inf or NaN all NaN),
 // dequantized as scatter_dequant does (value * scale in float32, one rounding to T) and written to
 // each of its rows: the values dispatch delivers, with the traffic of a plain scatter. A thread
@@ -987,8 +992,8 @@ scatter_fake_quant_kernel(const T* __restrict__ table, const int32_t* __restrict
       } else {
         int k = 0;
         frexpf(amax > 0.0f ? amax : 1.0f, &k);
-        exponent = amax > 0.0f ? k - 1 - 8 : -127;
-        exponent = min(max(exponent, -127), 127);
+        exponent = amax > 0.0f ? max(k - 1 - 8, -126) : -127;  // normal unless all zero
+        exponent = min(exponent, 127);
         scale = finite ? ldexpf(1.0f, exponent) : nan;
       }
       P o;
