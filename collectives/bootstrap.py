@@ -124,7 +124,8 @@ def register_targets(name: str) -> None:
             jax.ffi.register_ffi_target("ep_comm_mpi_exchange", mod.handler(), platform="cpu")
         elif name == "rows":
             for op in ("gather", "gather_sum", "empty", "scatter", "scatter_dequant",
-                       "key_count", "key_rank", "expert_layout", "scatter_fake_quant"):
+                       "key_count", "key_rank", "expert_layout", "scatter_fake_quant",
+                       "scatter_quant"):
                 # the row kernels launch shape-determined work and never wait on the host:
                 # XLA may put them in its CUDA graphs (one launch for many kernels)
                 jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),

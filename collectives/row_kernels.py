@@ -21,7 +21,8 @@ counting sort, to float32 reassociation for :func:`gather_sum`).
 - :func:`scatter_dequant`: :func:`scatter` of FP8 wire rows, each dequantized once on the way
   (dispatch's receive side with ``EPConfig(wire_format=...)``; :func:`quantize_blocks` and
   :func:`dequantize_blocks` are the FP8 formats' math, in XLA);
-  :func:`scatter_fake_quant` the same values straight from unquantized rows (one rank: no wire).
+  :func:`scatter_fake_quant` the same values straight from unquantized rows (one rank: no wire),
+  :func:`scatter_quant` the same rows kept as FP8 bytes.
 - :func:`expert_layout`: dispatch's receive-side layout (the counting sort of the received
   (row, expert) pairs and every index expand and the handle need) as one op: three kernels.
 
@@ -683,6 +684,16 @@ def split_fp8_rows(rows, hidden: int, block: int, mx: bool):
                           mx)
 
 
+def fp8_rows(x, block: int, mx: bool):
+    """``(T, H)`` rows as FP8 wire rows: the e4m3 values, then the row's block scales (float32 as
+    4 bytes each, or E8M0 bytes), uint8 ``(T, H + scale bytes)`` (:func:`split_fp8_rows` is the
+    inverse)."""
+    values, scales = quantize_blocks(x, block, mx)
+    tail = scales if mx else jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(
+        values.shape[0], -1)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), tail], axis=1)
+
+
 def scatter_dequant(table, pos, fill, rows: int, *, hidden: int, block: int, mx: bool, dtype):
     """FP8 wire rows (uint8 ``(N, row bytes)``, see :func:`split_fp8_rows`) dequantized into
     ``(rows, hidden)`` ``dtype`` and placed as :func:`scatter` places rows (row ``pos[n, k]``:
@@ -779,6 +790,54 @@ def _scatter_fake_quant_jvp(primals, tangents, **params):
 
 
 ad.primitive_jvps[scatter_fake_quant_p] = _scatter_fake_quant_jvp
+
+
+def scatter_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
+    """:func:`scatter_fake_quant`'s rows kept quantized: ``(values, scales)`` uint8 ``(rows, H)``
+    and ``(rows, scale bytes)``, the two byte ranges of each FP8 wire row (:func:`fp8_rows`)
+    placed as :func:`scatter` places rows (zero rows: both zero); each table row read once and
+    quantized in registers. Not differentiable (bytes)."""
+    table = jnp.asarray(table)
+    pos = jnp.asarray(pos).astype(jnp.int32)
+    fill = jnp.asarray(fill).astype(jnp.int32)
+    if (table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating) or pos.ndim != 2
+            or pos.shape[0] != table.shape[0] or fill.ndim != 1):
+        raise ValueError(f"row_kernels.scatter_quant: table must be floating (N, H), pos (N, K) "
+                         f"and fill 1-D, got table {table.dtype} {tuple(table.shape)}, pos "
+                         f"{tuple(pos.shape)} and fill {tuple(fill.shape)}")
+    if int(rows) < 0 or int(block) < 1:
+        raise ValueError(f"row_kernels.scatter_quant: rows must be >= 0 and block >= 1, got "
+                         f"rows={rows} and block={block}")
+    table, pos, fill = _same_vma(jax.lax.stop_gradient(table), pos, fill)
+    values, scales = scatter_quant_p.bind(table, pos, fill, rows=int(rows), block=int(block),
+                                          mx=bool(mx), kernel=_want_kernels())
+    return values, scales
+
+
+def _scatter_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None):
+    H = table.shape[1]
+    wire_rows = fp8_rows(table, block, mx)
+    return [_scatter_reference(wire_rows, pos, fill, rows=rows, columns=c)
+            for c in ((0, H), (H, H + scale_bytes(H, block, mx)))]
+
+
+def _scatter_quant_abstract(table, pos, fill, *, rows, block, mx, kernel):
+    u8 = lambda *shape: table.update(shape=shape, dtype=jnp.uint8, weak_type=False)  # noqa: E731
+    H = table.shape[1]
+    return [u8(rows, H), u8(rows, scale_bytes(H, block, mx))]
+
+
+def _scatter_quant_jvp(primals, tangents, **params):
+    out = scatter_quant_p.bind(*primals, **params)
+    return out, [_zero_tangent(o) for o in out]
+
+
+scatter_quant_p = _primitive(
+    "ep_comm_rows_scatter_quant", _scatter_quant_reference, _scatter_quant_abstract,
+    ("rows", "block", "mx", "kernel"),
+    ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
+    kernel_fits=_fake_quant_fits, multiple_results=True)
+ad.primitive_jvps[scatter_quant_p] = _scatter_quant_jvp
 
 
 # --- empty ----------------------------------------------------------------------------------------

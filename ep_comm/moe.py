@@ -135,7 +135,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes (with
     # no wire, one rank, dequantized rows come from x in one pass: the bytes never exist)
     local = is_local(cfg, plan.kind)
-    round_trip = local and cfg.wire_format is not None and not return_quantized
+    round_trip = local and cfg.wire_format is not None
     rows = x if cfg.wire_format is None or round_trip else wire.pack_rows(x, cfg.wire_format)
     if hierarchical:
         moved = hierarchical_route(cfg, plan, rows, route, node, in_node, kept,

@@ -61,11 +61,8 @@ def pack_rows(x, wire_format: str):
     (float32 as 4 bytes each, or e8m0 bytes); ``(T, topology.token_bytes(H, ..., wire_format))``
     uint8 (XLA fuses the quantization and the packing). No gradient flows through bytes: dispatch
     attaches the straight-through one."""
-    values, scales = quantize(x, wire_format)
-    T = values.shape[0]
-    tail = scales if wire_format == "mxfp8" else jax.lax.bitcast_convert_type(
-        scales, jnp.uint8).reshape(T, -1)
-    return jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), tail], axis=1)
+    x = _checked("pack_rows", x, wire_format)
+    return row_kernels.fp8_rows(x, BLOCK[wire_format], wire_format == "mxfp8")
 
 
 def unpack_rows(rows, hidden: int, wire_format: str):
@@ -83,14 +80,21 @@ def quantize(x, wire_format: str):
     """``(values, scales)`` of a ``(T, H)`` floating array: ``values`` ``(T, H)`` float8_e4m3fn,
     ``scales`` ``(T, ceil(H / block))``: float32 (``"e4m3"``) or uint8 biased exponents
     (``"mxfp8"``). See the module docstring for rounding, saturation and non-finite input."""
+    x = _checked("quantize", x, wire_format)
+    return row_kernels.quantize_blocks(x, BLOCK[wire_format], wire_format == "mxfp8")
+
+
+def _checked(api: str, x, wire_format):
+    """``x`` as a jax array, after checking it is ``(tokens, hidden)`` floating and
+    ``wire_format`` one of the FP8 formats."""
     if wire_format not in WIRE_FORMATS[1:]:
-        raise ValueError(f"quantize: wire_format must be one of {WIRE_FORMATS[1:]}, "
+        raise ValueError(f"{api}: wire_format must be one of {WIRE_FORMATS[1:]}, "
                          f"got {wire_format!r}")
     x = jnp.asarray(x)
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"quantize: x must be a floating array of shape (tokens, hidden), got "
+        raise ValueError(f"{api}: x must be a floating array of shape (tokens, hidden), got "
                          f"{x.dtype} {tuple(x.shape)}")
-    return row_kernels.quantize_blocks(x, BLOCK[wire_format], wire_format == "mxfp8")
+    return x
 
 
 def scale_values(scales, wire_format: str):

@@ -526,6 +526,42 @@ def test_scatter_fake_quant_is_the_wire_round_trip(fmt):
                                        block=block, mx=mx)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
+def test_scatter_quant_is_the_wire_bytes(fmt):
+    """One rank's return_quantized path (no wire) gives the wire rows' two byte ranges."""
+    from ep_comm import wire
+
+    x, pos, fill, C, defined = _fake_quant_case(fmt, jnp.float32, 256, 2)
+    block, mx = wire.BLOCK[fmt], fmt == "mxfp8"
+    got = jax.jit(lambda t, p, f: row_kernels.scatter_quant(t, p, f, C, block=block,
+                                                            mx=mx))(x, pos, fill)
+    sb = row_kernels.scale_bytes(256, block, mx)
+    want = [jax.jit(lambda t, p, f, c=c: row_kernels.scatter(wire.pack_rows(t, fmt), p, f, C,
+                                                             columns=c))(x, pos, fill)
+            for c in ((0, 256), (256, 256 + sb))]
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.uint8
+        np.testing.assert_array_equal(np.asarray(g)[defined], np.asarray(w)[defined])
+    with pytest.raises(ValueError, match=r"row_kernels.scatter_quant: rows must be >= 0 and "
+                       r"block >= 1, got rows=-1 and block=32"):
+        row_kernels.scatter_quant(x, pos, fill, -1, block=32, mx=True)
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("H", [7168, 256])
+def test_scatter_quant_kernel_bitwise(fmt, dtype, H):
+    from ep_comm import wire
+
+    x, pos, fill, C, defined = _fake_quant_case(fmt, dtype, H, H + 1)
+    fn = lambda t, p, f: row_kernels.scatter_quant(  # noqa: E731
+        t, p, f, C, block=wire.BLOCK[fmt], mx=fmt == "mxfp8")
+    got, want = _both(fn, x, pos, fill)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g)[defined], np.asarray(w)[defined])
+
+
 @gpu_only
 @pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])

@@ -127,6 +127,9 @@ def test_fake_quantize_is_straight_through():
 
 def test_bad_input():
     with pytest.raises(ValueError, match=re.escape(
+            "pack_rows: wire_format must be one of ('e4m3', 'mxfp8'), got None")):
+        wire.pack_rows(jnp.ones((2, 4)), None)
+    with pytest.raises(ValueError, match=re.escape(
             "quantize: wire_format must be one of ('e4m3', 'mxfp8'), got 'fp4'")):
         wire.quantize(jnp.ones((2, 4)), "fp4")
     with pytest.raises(ValueError, match=re.escape(

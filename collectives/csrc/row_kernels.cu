@@ -18,6 +18,8 @@
 //                            receive side); rows as scatter's.
 //   ep_comm_rows_scatter_fake_quant  scatter's rows after the FP8 wire's round trip (quantized
 //                            and dequantized in registers; one rank, where nothing crosses a wire).
+//   ep_comm_rows_scatter_quant  the same rows kept quantized: e4m3 codes and block scales written
+//                            apart (return_quantized with one rank).
 //   ep_comm_rows_empty       a buffer left uninitialised (an exchange's receive buffer).
 //   ep_comm_rows_key_count   counts[c, k]: entries of chunk c (kRankChunk entries each) with key k
 //                            (a key outside [0, num_keys) counts as num_keys - 1).
@@ -938,6 +940,53 @@ ffi::Error ScatterDequant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer
 // owns 16 bytes (V values) of a row; the G = block / V threads of a block reduce its amax with
 // shuffles.
 
+// One thread's V values of a row quantized with the G - 1 lanes that share their block (every
+// lane of the warp calls it in step; `valid` false: a lane past the row, which contributes
+// nothing): the e4m3 codes, the block's scale (float32; NaN for a non-finite block) and, for MX,
+// its biased exponent byte.
+template <typename T, bool kMx, int V>
+__device__ __forceinline__ void quantize_piece(const Pack<T, V>& raw, bool valid, int G,
+                                               uint8_t (&codes)[V], float& scale,
+                                               uint8_t& e8m0) {
+  const float nan = __int_as_float(0x7fc00000), tiny = 1.1754943508222875e-38f;  // 2**-126
+  float v[V];
+  bool finite = true;
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    float f = valid ? to_f32(raw.v[j]) : 0.0f;
+    if (fabsf(f) < tiny) f = copysignf(0.0f, f);
+    v[j] = f;
+    const bool fin = isfinite(f);
+    finite &= fin;
+    amax = fmaxf(amax, fin ? fabsf(f) : 0.0f);
+  }
+  for (int o = G / 2; o > 0; o /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    finite = __shfl_xor_sync(0xffffffffu, static_cast<int>(finite), o) && finite;
+  }
+  float inv = 0.0f;
+  int exponent = 0;
+  if constexpr (!kMx) {
+    scale = amax > 0.0f ? fmaxf(amax * (1.0f / 448.0f), tiny) : 1.0f;
+    if (!finite) scale = nan;
+    inv = 1.0f / scale;
+  } else {
+    int k = 0;
+    frexpf(amax > 0.0f ? amax : 1.0f, &k);
+    exponent = amax > 0.0f ? max(k - 1 - 8, -126) : -127;  // normal unless all zero
+    exponent = min(exponent, 127);
+    scale = finite ? ldexpf(1.0f, exponent) : nan;
+    e8m0 = finite ? static_cast<uint8_t>(exponent + 127) : 255;
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    float q = kMx ? (finite ? ldexpf(v[j], -exponent) : nan) : v[j] * inv;
+    if (!isnan(q)) q = fminf(fmaxf(q, -448.0f), 448.0f);
+    codes[j] = __nv_fp8_e4m3(q).__x;
+  }
+}
+
 template <typename T, bool kMx>
 __global__ void __launch_bounds__(kThreads)
 scatter_fake_quant_kernel(const T* __restrict__ table, const int32_t* __restrict__ pos,
@@ -947,7 +996,6 @@ scatter_fake_quant_kernel(const T* __restrict__ table, const int32_t* __restrict
   using P = Pack<T, V>;
   const int G = block / V;  // threads per quantization block: a power of two <= 32
   const int64_t units = H / V;
-  const float nan = __int_as_float(0x7fc00000), tiny = 1.1754943508222875e-38f;  // 2**-126
   for (int64_t i = blockIdx.x; i < n + n_fill; i += gridDim.x) {
     if (i >= n) {  // a row to zero
       const int64_t r = fill[i - n];
@@ -957,55 +1005,81 @@ scatter_fake_quant_kernel(const T* __restrict__ table, const int32_t* __restrict
     }
     const int32_t* p = pos + i * K;
     if (!any_target(p, K, m)) continue;
-    const P* src = reinterpret_cast<const P*>(table + i * H);
+    const uint4* src = reinterpret_cast<const uint4*>(table + i * H);
     for (int64_t base = 0; base < units; base += kThreads) {  // every lane of a warp in step
       const int64_t c = base + threadIdx.x;
       const bool valid = c < units;
-      float v[V];
-      bool finite = true;
-      float amax = 0.0f;
+      P raw{};
       if (valid) {
-        const uint4 bits = load_nc(reinterpret_cast<const uint4*>(src) + c);
-        P raw;
+        const uint4 bits = load_nc(src + c);
         memcpy(&raw, &bits, sizeof(P));
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          float f = to_f32(raw.v[j]);
-          if (fabsf(f) < tiny) f = copysignf(0.0f, f);
-          v[j] = f;
-          const bool fin = isfinite(f);
-          finite &= fin;
-          amax = fmaxf(amax, fin ? fabsf(f) : 0.0f);
-        }
       }
-      for (int o = G / 2; o > 0; o /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        finite = __shfl_xor_sync(0xffffffffu, static_cast<int>(finite), o) && finite;
-      }
+      uint8_t codes[V];
+      float scale;
+      uint8_t e8m0 = 0;
+      quantize_piece<T, kMx, V>(raw, valid, G, codes, scale, e8m0);
       if (!valid) continue;
-      float scale, inv = 0.0f;
-      int exponent = 0;
-      if constexpr (!kMx) {
-        scale = amax > 0.0f ? fmaxf(amax * (1.0f / 448.0f), tiny) : 1.0f;
-        if (!finite) scale = nan;
-        inv = 1.0f / scale;
-      } else {
-        int k = 0;
-        frexpf(amax > 0.0f ? amax : 1.0f, &k);
-        exponent = amax > 0.0f ? max(k - 1 - 8, -126) : -127;  // normal unless all zero
-        exponent = min(exponent, 127);
-        scale = finite ? ldexpf(1.0f, exponent) : nan;
-      }
       P o;
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        float q = kMx ? (finite ? ldexpf(v[j], -exponent) : nan) : v[j] * inv;
-        if (!isnan(q)) q = fminf(fmaxf(q, -448.0f), 448.0f);
-        o.v[j] = from_f32<T>(dequant1(__nv_fp8_e4m3(q).__x, scale));
-      }
+      for (int j = 0; j < V; ++j) o.v[j] = from_f32<T>(dequant1(codes[j], scale));
       for (int k = 0; k < K; ++k) {
         const int64_t r = p[k];
         if (r >= 0 && r < m) reinterpret_cast<P*>(out + r * H)[c] = o;
+      }
+    }
+  }
+}
+
+// The same rows kept quantized (return_quantized with one rank): the e4m3 codes into `values`
+// (M, H) bytes and each block's scale (float32 bytes, or the E8M0 byte) into `scales`
+// (M, scale bytes), as the wire row's two column ranges scattered apart.
+template <typename T, bool kMx>
+__global__ void __launch_bounds__(kThreads)
+scatter_quant_kernel(const T* __restrict__ table, const int32_t* __restrict__ pos,
+                     const int32_t* __restrict__ fill, uint8_t* __restrict__ values,
+                     uint8_t* __restrict__ scales, int64_t n, int K, int64_t n_fill, int64_t m,
+                     int64_t H, int block) {
+  constexpr int V = 16 / sizeof(T);
+  using Codes = Pack<uint8_t, V>;
+  const int G = block / V;
+  const int64_t units = H / V, sb = (H / block) * (kMx ? 1 : 4);
+  for (int64_t i = blockIdx.x; i < n + n_fill; i += gridDim.x) {
+    if (i >= n) {  // a row to zero
+      const int64_t r = fill[i - n];
+      if (r < 0 || r >= m) continue;
+      for (int64_t c = threadIdx.x; c < units; c += kThreads) reinterpret_cast<Codes*>(values + r * H)[c] = Codes{};
+      for (int64_t b = threadIdx.x; b < sb; b += kThreads) scales[r * sb + b] = 0;
+      continue;
+    }
+    const int32_t* p = pos + i * K;
+    if (!any_target(p, K, m)) continue;
+    const uint4* src = reinterpret_cast<const uint4*>(table + i * H);
+    for (int64_t base = 0; base < units; base += kThreads) {
+      const int64_t c = base + threadIdx.x;
+      const bool valid = c < units;
+      Pack<T, V> raw{};
+      if (valid) {
+        const uint4 bits = load_nc(src + c);
+        memcpy(&raw, &bits, sizeof(raw));
+      }
+      Codes codes;
+      float scale;
+      uint8_t e8m0 = 0;
+      quantize_piece<T, kMx, V>(raw, valid, G, codes.v, scale, e8m0);
+      if (!valid) continue;
+      const bool first = threadIdx.x % G == 0;  // the block's first lane writes its scale
+      const int64_t b = c / G;
+      for (int k = 0; k < K; ++k) {
+        const int64_t r = p[k];
+        if (r < 0 || r >= m) continue;
+        reinterpret_cast<Codes*>(values + r * H)[c] = codes;
+        if (first) {
+          if constexpr (kMx) {
+            scales[r * sb + b] = e8m0;
+          } else {
+            memcpy(scales + r * sb + 4 * b, &scale, 4);
+          }
+        }
       }
     }
   }
@@ -1064,6 +1138,71 @@ ffi::Error ScatterFakeQuant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buff
       break;
     case ffi::DataType::F32:
       e = launch_scatter_fake_quant<float>(stream, t, p, f, o, n, K, n_fill, m, H, blk, mx);
+      break;
+    default:
+      return ffi::Error::InvalidArgument(where + "rows must be bfloat16, float16 or float32");
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+template <typename T>
+cudaError_t launch_scatter_quant(cudaStream_t s, const void* table, const int32_t* pos,
+                                 const int32_t* fill, uint8_t* values, uint8_t* scales, int64_t n,
+                                 int K, int64_t n_fill, int64_t m, int64_t H, int block, bool mx) {
+  const T* t = static_cast<const T*>(table);
+  if (mx) {
+    scatter_quant_kernel<T, true><<<grid_for(n + n_fill, 1), kThreads, 0, s>>>(
+        t, pos, fill, values, scales, n, K, n_fill, m, H, block);
+  } else {
+    scatter_quant_kernel<T, false><<<grid_for(n + n_fill, 1), kThreads, 0, s>>>(
+        t, pos, fill, values, scales, n, K, n_fill, m, H, block);
+  }
+  return cudaGetLastError();
+}
+
+ffi::Error ScatterQuant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<ffi::S32> pos,
+                        ffi::Buffer<ffi::S32> fill, ffi::Result<ffi::Buffer<ffi::U8>> values,
+                        ffi::Result<ffi::Buffer<ffi::U8>> scales, int64_t block, int64_t mx) {
+  const std::string where = "ep_comm rows scatter_quant: ";
+  const auto tdims = table.dimensions(), vdims = values->dimensions(),
+             sdims = scales->dimensions(), pdims = pos.dimensions();
+  if (tdims.size() != 2 || vdims.size() != 2 || sdims.size() != 2 || pdims.size() != 2 ||
+      pdims[0] != tdims[0] || vdims[1] != tdims[1] || sdims[0] != vdims[0]) {
+    return ffi::Error::InvalidArgument(where + "table must be (N, H), pos (N, K), values (M, H) "
+                                       "and scales (M, scale bytes)");
+  }
+  const int64_t n = tdims[0], H = tdims[1], m = vdims[0];
+  const int64_t V = 16 / static_cast<int64_t>(ffi::ByteWidth(table.element_type()));
+  const int64_t G = V > 0 && block % V == 0 ? block / V : 0;
+  if (G < 1 || G > 32 || (G & (G - 1)) != 0 || H % block != 0 ||
+      sdims[1] != (H / block) * (mx ? 1 : 4) || !aligned(table.untyped_data(), 16) ||
+      !aligned(values->untyped_data(), 16) || !aligned(scales->untyped_data(), 4)) {
+    return ffi::Error::InvalidArgument(where + "rows of " + std::to_string(H) + " values in "
+                                       "blocks of " + std::to_string(block) + " need whole blocks "
+                                       "of 1 to 32 16-byte pieces, aligned, and " +
+                                       std::to_string((H / std::max<int64_t>(block, 1)) *
+                                                      (mx ? 1 : 4)) + " scale bytes a row");
+  }
+  const int K = static_cast<int>(pdims[1]);
+  const int64_t n_fill = fill.element_count();
+  if (m == 0 || H == 0 || (n * K == 0 && n_fill == 0)) return ffi::Error::Success();
+  const void* t = table.untyped_data();
+  const int32_t* p = pos.typed_data();
+  const int32_t* f = fill.typed_data();
+  uint8_t* v = values->typed_data();
+  uint8_t* sc = scales->typed_data();
+  const int blk = static_cast<int>(block);
+  cudaError_t e;
+  switch (table.element_type()) {
+    case ffi::DataType::BF16:
+      e = launch_scatter_quant<__nv_bfloat16>(stream, t, p, f, v, sc, n, K, n_fill, m, H, blk, mx);
+      break;
+    case ffi::DataType::F16:
+      e = launch_scatter_quant<__half>(stream, t, p, f, v, sc, n, K, n_fill, m, H, blk, mx);
+      break;
+    case ffi::DataType::F32:
+      e = launch_scatter_quant<float>(stream, t, p, f, v, sc, n, K, n_fill, m, H, blk, mx);
       break;
     default:
       return ffi::Error::InvalidArgument(where + "rows must be bfloat16, float16 or float32");
@@ -1369,6 +1508,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatterFakeQuant, ScatterFakeQuant,
                                   .Attr<int64_t>("block")        // values per scale
                                   .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kScatterQuant, ScatterQuant,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // table (N, H)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos (N, K)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // fill (F,)
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // values (M, H)
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // scales (M, scale bytes)
+                                  .Attr<int64_t>("block")         // values per scale
+                                  .Attr<int64_t>("mx"));          // 1: E8M0 scales, 0: float32
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kEmpty, Empty,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));
 
@@ -1434,5 +1584,6 @@ void* key_count_handler() { return reinterpret_cast<void*>(kKeyCount); }
 void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }
 void* expert_layout_handler() { return reinterpret_cast<void*>(kExpertLayout); }
 void* scatter_fake_quant_handler() { return reinterpret_cast<void*>(kScatterFakeQuant); }
+void* scatter_quant_handler() { return reinterpret_cast<void*>(kScatterQuant); }
 
 }  // namespace ep_comm::rows
