@@ -459,7 +459,9 @@ token_routes_p = _primitive(
     "ep_comm_rows_token_routes", _token_routes_reference, _token_routes_abstract,
     ("num_experts", "num_ranks", "kernel"),
     ffi_attrs=lambda *, num_experts, **_: dict(num_experts=np.int64(num_experts)),
-    kernel_fits=lambda ctx, *, num_ranks, **_: num_ranks <= 6143, multiple_results=True)
+    kernel_fits=lambda ctx, *, num_ranks, **_: (num_ranks <= 5631
+                                                and ctx.avals_in[0].shape[1] <= 1024),
+    multiple_results=True)
 ad.primitive_jvps[token_routes_p] = _token_routes_jvp
 
 
@@ -713,7 +715,13 @@ def quantize_blocks(x, block: int, mx: bool):
     float32 (``amax / 448``) or, with ``mx``, uint8 E8M0 exponents."""
     T, H = x.shape
     nb = -(-H // block)
-    xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * block - H))).reshape(T, nb, block)
+    xf = x.astype(jnp.float32)
+    if x.dtype == jnp.float16:
+        # (a barrier: XLA's GPU compiler, allowed excess precision, otherwise multiplies float16
+        # inputs by 1 / scale in float16 and rounds exact ties away from even; bfloat16 and
+        # float32 inputs stay in float32 and keep their one fusion)
+        xf = jax.lax.optimization_barrier(xf)
+    xb = jnp.pad(xf, ((0, 0), (0, nb * block - H))).reshape(T, nb, block)
     # subnormal inputs count as (signed) zero and no scale is subnormal: no step depends on
     # whether a platform flushes subnormals (XLA's CPU backend does, IEEE GPU code does not)
     xb = jnp.where(jnp.abs(xb) < _F32_TINY, jnp.copysign(np.float32(0.0), xb), xb)

@@ -168,6 +168,12 @@ def _hard_rows(x):
     x[6] *= 2.0 ** -132
     x[7] *= 2.0 ** 100
     x[5, :8] = [448.0, 464.0, -480.0, 1.0 + 2 ** -4, 1.0 + 3 * 2 ** -4, 2 ** -9, 3 * 2 ** -10, -0.0]
+    # exact ties once scaled (x / scale = -15.5, -248.0 in float32): round to nearest even
+    x[0, :128] = np.clip(x[0, :128], -8, 8)
+    x[0, :2] = [16.1875, -0.56005859375]
+    if x.shape[1] >= 256:
+        x[0, 128:256] = np.clip(x[0, 128:256], -4, 4)
+        x[0, 128:130] = [8.09375, -4.48046875]
     return x
 
 
@@ -210,7 +216,7 @@ def test_quantize_is_the_ieee_math(fmt, H):
     from ep_comm import wire
 
     x = _hard_rows(np.random.default_rng(H).standard_t(2, (8, H)))
-    for dtype in (jnp.bfloat16, jnp.float32):
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         xd = np.asarray(jnp.asarray(x, dtype))
         got = jax.jit(lambda a: wire.pack_rows(a, fmt))(xd)
         sent = _ieee_wire_rows(xd, fmt)
@@ -613,14 +619,27 @@ def test_scatter_quant_is_the_wire_bytes(fmt):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("H", [7168, 256])
 def test_scatter_quant_kernel_bitwise(fmt, dtype, H):
+    """The one-kernel quantizer's bytes equal the format's IEEE float32 math (numpy) and the XLA
+    lowering on the quantizer's corner rows (exact ties included)."""
     from ep_comm import wire
 
     x, pos, fill, C, defined = _fake_quant_case(fmt, dtype, H, H + 1)
     fn = lambda t, p, f: row_kernels.scatter_quant(  # noqa: E731
         t, p, f, C, block=wire.BLOCK[fmt], mx=fmt == "mxfp8")
     got, want = _both(fn, x, pos, fill)
-    for g, w in zip(got, want):
+    sent = _placed(_ieee_wire_rows(np.asarray(x), fmt), np.asarray(pos), C)
+    for g, w, ieee in zip(got, want, (sent[:, :H], sent[:, H:])):
         np.testing.assert_array_equal(np.asarray(g)[defined], np.asarray(w)[defined])
+        placed = defined & np.isin(np.arange(C), np.asarray(pos))
+        np.testing.assert_array_equal(np.asarray(g)[placed], ieee[placed])
+
+
+def _placed(rows, pos, C):
+    """``rows`` placed as the scatters place them (row ``pos[n, k]`` = ``rows[n]``; others 0)."""
+    out = np.zeros((C, rows.shape[1]), rows.dtype)
+    for n_, k in zip(*np.nonzero((pos >= 0) & (pos < C))):
+        out[pos[n_, k]] = rows[n_]
+    return out
 
 
 @gpu_only
@@ -638,6 +657,10 @@ def test_scatter_fake_quant_kernel_bitwise(fmt, dtype, H):
     got, want = _both(fn, x, pos, fill)
     np.testing.assert_array_equal(np.asarray(got, np.float32)[defined],
                                   np.asarray(want, np.float32)[defined])
+    ieee = _ieee_delivered(_ieee_wire_rows(np.asarray(x), fmt), H, fmt, dtype)
+    placed = defined & np.isin(np.arange(C), np.asarray(pos))
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[placed],
+                                  _placed(np.asarray(ieee, np.float32), np.asarray(pos), C)[placed])
 
 
 @gpu_only
