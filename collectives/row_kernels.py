@@ -460,7 +460,7 @@ token_routes_p = _primitive(
     ("num_experts", "num_ranks", "kernel"),
     ffi_attrs=lambda *, num_experts, **_: dict(num_experts=np.int64(num_experts)),
     kernel_fits=lambda ctx, *, num_ranks, **_: (num_ranks <= 5631
-                                                and ctx.avals_in[0].shape[1] <= 1024),
+                                                and 1 <= ctx.avals_in[0].shape[1] <= 1024),
     multiple_results=True)
 ad.primitive_jvps[token_routes_p] = _token_routes_jvp
 

@@ -679,9 +679,8 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
 // over n ranks): route (T, 2K) float32 = the weights then the ids of its valid slots (0 and -1
 // elsewhere), dest (T, K) = the rank of each valid slot (n elsewhere), in_rank (T, n), first (T, K):
 // a valid slot whose rank no earlier slot of the token has, counts (2n,): tokens per rank, then
-// distinct (token, expert) pairs per rank, and invalid (1,): ids outside [-1, E). One block (the
-// counts in shared memory, no atomics in global memory and nothing to zero first); a thread per
-// slot of a chunk of whole tokens.
+// distinct (token, expert) pairs per rank, and invalid (1,): ids outside [-1, E). A block per
+// chunk of whole tokens, a thread per slot.
 
 constexpr int kRoutesThreads = 1024;
 
@@ -690,53 +689,52 @@ token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ w
                     float* __restrict__ route, int32_t* __restrict__ dest, bool* __restrict__ in_rank,
                     bool* __restrict__ first, int32_t* __restrict__ counts,
                     int32_t* __restrict__ invalid, int64_t T, int K, int32_t E, int32_t n) {
-  // a thread per slot of a chunk of whole tokens: one load round trip, the token's earlier slots
-  // from shared memory (no thread walks a loop of loads)
+  // a block per chunk of whole tokens, a thread per slot: one load round trip, the token's
+  // earlier slots from shared memory; the block's counts in shared memory, then added to the
+  // (zeroed) global ones
   extern __shared__ int32_t smem[];  // tokens (n) | pairs (n) | invalid (1) | chunk's ids
   int32_t* cnt = smem;
   int32_t* sid = smem + 2 * n + 1;
   for (int32_t r = threadIdx.x; r < 2 * n + 1; r += blockDim.x) cnt[r] = 0;
   const int32_t L = E / n;
   const int64_t per = kRoutesThreads / K, slots = per * K;  // whole tokens per chunk
+  const int64_t t0 = int64_t{blockIdx.x} * per;
   const int s = threadIdx.x;
-  int32_t bad = 0;
-  for (int64_t t0 = 0; t0 < T; t0 += per) {
-    const int64_t t = t0 + s / K, i = t * K + s % K;
-    const bool live = s < slots && t < T;
-    const int32_t e = live ? ids[i] : -1;
-    const float w = live ? weights[i] : 0.0f;
-    sid[s] = e;
-    for (int64_t j = s; j < per * n; j += blockDim.x) {  // this chunk's tokens: no rank yet
-      if (t0 + j / n < T) in_rank[(t0 + j / n) * n + j % n] = false;
-    }
-    __syncthreads();
-    if (live) {
-      const int k = s % K;
-      const bool valid = e >= 0 && e < E;
-      bad += e != -1 && !valid;
-      const int32_t d = valid ? e / L : n;
-      bool new_rank = valid, new_expert = valid;
-      for (int j = 0; j < k; ++j) {
-        const int32_t f = sid[s - k + j];
-        new_expert &= f != e;
-        new_rank &= !(f >= 0 && f < E && f / L == d);
-      }
-      route[t * 2 * K + k] = valid ? w : 0.0f;
-      route[t * 2 * K + K + k] = valid ? static_cast<float>(e) : -1.0f;
-      dest[i] = d;
-      first[i] = new_rank;
-      if (new_rank) {
-        in_rank[t * n + d] = true;
-        atomicAdd(&cnt[d], 1);
-      }
-      if (new_expert) atomicAdd(&cnt[n + d], 1);
-    }
-    __syncthreads();  // (sid is rewritten by the next chunk)
+  const int64_t t = t0 + s / K, i = t * K + s % K;
+  const bool live = s < slots && t < T;
+  const int32_t e = live ? ids[i] : -1;
+  const float w = live ? weights[i] : 0.0f;
+  sid[s] = e;
+  for (int64_t j = s; j < per * n; j += blockDim.x) {  // this chunk's tokens: no rank yet
+    if (t0 + j / n < T) in_rank[(t0 + j / n) * n + j % n] = false;
   }
-  if (bad) atomicAdd(&cnt[2 * n], bad);
   __syncthreads();
-  for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) counts[r] = cnt[r];
-  if (threadIdx.x == 0) *invalid = cnt[2 * n];
+  if (live) {
+    const int k = s % K;
+    const bool valid = e >= 0 && e < E;
+    if (e != -1 && !valid) atomicAdd(&cnt[2 * n], 1);
+    const int32_t d = valid ? e / L : n;
+    bool new_rank = valid, new_expert = valid;
+    for (int j = 0; j < k; ++j) {
+      const int32_t f = sid[s - k + j];
+      new_expert &= f != e;
+      new_rank &= !(f >= 0 && f < E && f / L == d);
+    }
+    route[t * 2 * K + k] = valid ? w : 0.0f;
+    route[t * 2 * K + K + k] = valid ? static_cast<float>(e) : -1.0f;
+    dest[i] = d;
+    first[i] = new_rank;
+    if (new_rank) {
+      in_rank[t * n + d] = true;
+      atomicAdd(&cnt[d], 1);
+    }
+    if (new_expert) atomicAdd(&cnt[n + d], 1);
+  }
+  __syncthreads();
+  for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) {
+    if (cnt[r]) atomicAdd(&counts[r], cnt[r]);
+  }
+  if (threadIdx.x == 0 && cnt[2 * n]) atomicAdd(invalid, cnt[2 * n]);
 }
 
 ffi::Error TokenRoutes(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
@@ -756,15 +754,23 @@ ffi::Error TokenRoutes(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
   if (n < 1 || num_experts < n || num_experts % n != 0 || route->element_count() != 2 * T * K ||
       dest->element_count() != T * K || first->element_count() != T * K ||
       in_rank->element_count() != T * n || invalid->element_count() != 1 ||
-      K > kRoutesThreads || (2 * n + 1 + kRoutesThreads) * 4 > 48 * 1024 ||
+      K < 1 || K > kRoutesThreads || (2 * n + 1 + kRoutesThreads) * 4 > 48 * 1024 ||
       num_experts > INT32_MAX) {
     return ffi::Error::InvalidArgument(
         where + "results must be route (T, 2K), dest (T, K), in_rank (T, n), first (T, K), "
         "counts (2n,) and invalid (1,), with n dividing num_experts = " +
-        std::to_string(num_experts) + ", n <= 5631 and K <= " + std::to_string(kRoutesThreads));
+        std::to_string(num_experts) + ", n <= 5631 and 1 <= K <= " +
+        std::to_string(kRoutesThreads));
   }
-  token_routes_kernel<<<1, kRoutesThreads, (2 * n + 1 + kRoutesThreads) * sizeof(int32_t),
-                        stream>>>(
+  // (sums: zeroed first, then every block adds its counts; memsets are stream work XLA can
+  // capture like the kernel)
+  cudaError_t z = cudaMemsetAsync(counts->typed_data(), 0, 2 * n * sizeof(int32_t), stream);
+  if (z == cudaSuccess) z = cudaMemsetAsync(invalid->typed_data(), 0, sizeof(int32_t), stream);
+  if (z != cudaSuccess) return ffi::Error::Internal(where + "memset: " + cuda_str(z));
+  if (T == 0) return ffi::Error::Success();
+  const int64_t per = kRoutesThreads / K;
+  token_routes_kernel<<<static_cast<unsigned>((T + per - 1) / per), kRoutesThreads,
+                        (2 * n + 1 + kRoutesThreads) * sizeof(int32_t), stream>>>(
       ids.typed_data(), weights.typed_data(), route->typed_data(), dest->typed_data(),
       in_rank->typed_data(), first->typed_data(), counts->typed_data(), invalid->typed_data(), T,
       static_cast<int>(K), static_cast<int32_t>(num_experts), static_cast<int32_t>(n));
