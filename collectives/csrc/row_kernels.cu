@@ -26,8 +26,6 @@
 //   ep_comm_rows_key_rank    rank[i] = base[c, k] + the entries before i in chunk c with key k,
 //                            order[rank[i]] = i: with base from the counts' scans, a stable
 //                            counting sort (dispatch's expert-major layout, no radix sort).
-//   ep_comm_rows_token_routes  dispatch's sender-side layout in one kernel: each token's routing
-//                            row, destination ranks and the per-rank counts.
 //   ep_comm_rows_expert_layout  dispatch's receive-side layout in three kernels: the counting
 //                            sort of the received (row, expert) pairs into expert-major rows and
 //                            every index the expand and the handle need (see below).
@@ -670,111 +668,6 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
   a.counts = a.first + m;
   a.zero_fill = zero_fill != 0;
   const cudaError_t e = launch_layout(stream, a);
-  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
-  return ffi::Error::Success();
-}
-
-// ---- token_routes: dispatch's sender-side layout, one kernel -----------------------------------
-// Per token (ids (T, K) int32, weights (T, K) float32; E experts in contiguous blocks of L = E / n
-// over n ranks): route (T, 2K) float32 = the weights then the ids of its valid slots (0 and -1
-// elsewhere), dest (T, K) = the rank of each valid slot (n elsewhere), in_rank (T, n), first (T, K):
-// a valid slot whose rank no earlier slot of the token has, counts (2n,): tokens per rank, then
-// distinct (token, expert) pairs per rank, and invalid (1,): ids outside [-1, E). A block per
-// chunk of whole tokens, a thread per slot.
-
-constexpr int kRoutesThreads = 1024;
-
-__global__ void __launch_bounds__(kRoutesThreads)
-token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights,
-                    float* __restrict__ route, int32_t* __restrict__ dest, bool* __restrict__ in_rank,
-                    bool* __restrict__ first, int32_t* __restrict__ counts,
-                    int32_t* __restrict__ invalid, int64_t T, int K, int32_t E, int32_t n) {
-  // a block per chunk of whole tokens, a thread per slot: one load round trip, the token's
-  // earlier slots from shared memory; the block's counts in shared memory, then added to the
-  // (zeroed) global ones
-  extern __shared__ int32_t smem[];  // tokens (n) | pairs (n) | invalid (1) | chunk's ids
-  int32_t* cnt = smem;
-  int32_t* sid = smem + 2 * n + 1;
-  for (int32_t r = threadIdx.x; r < 2 * n + 1; r += blockDim.x) cnt[r] = 0;
-  const int32_t L = E / n;
-  const int64_t per = kRoutesThreads / K, slots = per * K;  // whole tokens per chunk
-  const int64_t t0 = int64_t{blockIdx.x} * per;
-  const int s = threadIdx.x;
-  const int64_t t = t0 + s / K, i = t * K + s % K;
-  const bool live = s < slots && t < T;
-  const int32_t e = live ? ids[i] : -1;
-  const float w = live ? weights[i] : 0.0f;
-  sid[s] = e;
-  for (int64_t j = s; j < per * n; j += blockDim.x) {  // this chunk's tokens: no rank yet
-    if (t0 + j / n < T) in_rank[(t0 + j / n) * n + j % n] = false;
-  }
-  __syncthreads();
-  if (live) {
-    const int k = s % K;
-    const bool valid = e >= 0 && e < E;
-    if (e != -1 && !valid) atomicAdd(&cnt[2 * n], 1);
-    const int32_t d = valid ? e / L : n;
-    bool new_rank = valid, new_expert = valid;
-    for (int j = 0; j < k; ++j) {
-      const int32_t f = sid[s - k + j];
-      new_expert &= f != e;
-      new_rank &= !(f >= 0 && f < E && f / L == d);
-    }
-    route[t * 2 * K + k] = valid ? w : 0.0f;
-    route[t * 2 * K + K + k] = valid ? static_cast<float>(e) : -1.0f;
-    dest[i] = d;
-    first[i] = new_rank;
-    if (new_rank) {
-      in_rank[t * n + d] = true;
-      atomicAdd(&cnt[d], 1);
-    }
-    if (new_expert) atomicAdd(&cnt[n + d], 1);
-  }
-  __syncthreads();
-  for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) {
-    if (cnt[r]) atomicAdd(&counts[r], cnt[r]);
-  }
-  if (threadIdx.x == 0 && cnt[2 * n]) atomicAdd(invalid, cnt[2 * n]);
-}
-
-ffi::Error TokenRoutes(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
-                       ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::Buffer<ffi::F32>> route,
-                       ffi::Result<ffi::Buffer<ffi::S32>> dest,
-                       ffi::Result<ffi::Buffer<ffi::PRED>> in_rank,
-                       ffi::Result<ffi::Buffer<ffi::PRED>> first,
-                       ffi::Result<ffi::Buffer<ffi::S32>> counts,
-                       ffi::Result<ffi::Buffer<ffi::S32>> invalid, int64_t num_experts) {
-  const std::string where = "ep_comm rows token_routes: ";
-  const auto d = ids.dimensions();
-  if (d.size() != 2 || weights.dimensions().size() != 2 || weights.dimensions()[0] != d[0] ||
-      weights.dimensions()[1] != d[1]) {
-    return ffi::Error::InvalidArgument(where + "ids and weights must be (T, K) each");
-  }
-  const int64_t T = d[0], K = d[1], n = counts->element_count() / 2;
-  if (n < 1 || num_experts < n || num_experts % n != 0 || route->element_count() != 2 * T * K ||
-      dest->element_count() != T * K || first->element_count() != T * K ||
-      in_rank->element_count() != T * n || invalid->element_count() != 1 ||
-      K < 1 || K > kRoutesThreads || (2 * n + 1 + kRoutesThreads) * 4 > 48 * 1024 ||
-      num_experts > INT32_MAX) {
-    return ffi::Error::InvalidArgument(
-        where + "results must be route (T, 2K), dest (T, K), in_rank (T, n), first (T, K), "
-        "counts (2n,) and invalid (1,), with n dividing num_experts = " +
-        std::to_string(num_experts) + ", n <= 5631 and 1 <= K <= " +
-        std::to_string(kRoutesThreads));
-  }
-  // (sums: zeroed first, then every block adds its counts; memsets are stream work XLA can
-  // capture like the kernel)
-  cudaError_t z = cudaMemsetAsync(counts->typed_data(), 0, 2 * n * sizeof(int32_t), stream);
-  if (z == cudaSuccess) z = cudaMemsetAsync(invalid->typed_data(), 0, sizeof(int32_t), stream);
-  if (z != cudaSuccess) return ffi::Error::Internal(where + "memset: " + cuda_str(z));
-  if (T == 0) return ffi::Error::Success();
-  const int64_t per = kRoutesThreads / K;
-  token_routes_kernel<<<static_cast<unsigned>((T + per - 1) / per), kRoutesThreads,
-                        (2 * n + 1 + kRoutesThreads) * sizeof(int32_t), stream>>>(
-      ids.typed_data(), weights.typed_data(), route->typed_data(), dest->typed_data(),
-      in_rank->typed_data(), first->typed_data(), counts->typed_data(), invalid->typed_data(), T,
-      static_cast<int>(K), static_cast<int32_t>(num_experts), static_cast<int32_t>(n));
-  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
 }
@@ -1674,19 +1567,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertLayout, ExpertLayout,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // scratch
                                   .Attr<int64_t>("zero_fill"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenRoutes, TokenRoutes,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // ids (T, K)
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights (T, K)
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // route (T, 2K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // dest (T, K)
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // in_rank (T, n)
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // first (T, K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // counts (2n,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // invalid (1,)
-                                  .Attr<int64_t>("num_experts"));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -1705,6 +1585,5 @@ void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }
 void* expert_layout_handler() { return reinterpret_cast<void*>(kExpertLayout); }
 void* scatter_fake_quant_handler() { return reinterpret_cast<void*>(kScatterFakeQuant); }
 void* scatter_quant_handler() { return reinterpret_cast<void*>(kScatterQuant); }
-void* token_routes_handler() { return reinterpret_cast<void*>(kTokenRoutes); }
 
 }  // namespace ep_comm::rows
