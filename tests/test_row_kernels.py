@@ -223,6 +223,24 @@ def test_quantize_is_the_ieee_math(fmt, H):
                                       np.asarray(_ieee_delivered(sent, H, fmt, dtype), np.float32))
 
 
+@pytest.mark.xfail(ON_GPU, strict=False, reason="XLA:GPU rounded exact float16 ties to odd "
+                   "(see _XLA_GPU_TIES); the CPU lowering, the reference, must not")
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8"])
+def test_quantize_ties_round_to_even(fmt):
+    import ml_dtypes
+
+    from ep_comm import wire
+
+    x = _tie_rows(np.random.default_rng(5).standard_t(2, (9, 256)))
+    for dtype in (jnp.float16, jnp.float32):
+        xd = np.asarray(jnp.asarray(x, dtype))
+        got = jax.jit(lambda a: wire.pack_rows(a, fmt))(xd)
+        np.testing.assert_array_equal(np.asarray(got), _ieee_wire_rows(xd, fmt))
+    if fmt == "e4m3":  # the ties themselves: codes of 16 and 256 (even), not 15 and 240
+        codes = np.asarray(got)[0, [1, 129]].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        np.testing.assert_array_equal(codes, [-16.0, -256.0])
+
+
 def _ieee_delivered(rows, H, fmt, dtype):
     """The values wire rows deliver, in numpy's IEEE float32 (value * scale, products below
     2**-126 as signed zero, NaN for a NaN scale), rounded to ``dtype``."""
@@ -487,10 +505,24 @@ def test_scatter_dequant_kernel_bitwise(fmt, dtype, H):
                                   np.asarray(want, np.float32)[defined])
 
 
-def _fake_quant_case(fmt, dtype, H, seed):
+def _tie_rows(x):
+    """Rows 0 and 8 with exact ties once scaled (x / scale = -15.5 and -248.0 in float32, exact in
+    float16 and float32): round to nearest even (16 and 256)."""
+    x = np.array(x, np.float32)
+    for r in (0, 8):
+        x[r, :128] = np.clip(x[r, :128], -8, 8)
+        x[r, :2] = [16.1875, -0.56005859375]
+        if x.shape[1] >= 256:
+            x[r, 128:256] = np.clip(x[r, 128:256], -4, 4)
+            x[r, 128:130] = [8.09375, -4.48046875]
+    return x
+
+
+def _fake_quant_case(fmt, dtype, H, seed, ties=False):
     rng = np.random.default_rng(seed)
     N, K, C = 64, 3, 300
-    x = jnp.asarray(_hard_rows(rng.standard_t(2, (N, H))), dtype)
+    x = _hard_rows(rng.standard_t(2, (N, H)))
+    x = jnp.asarray(_tie_rows(x) if ties else x, dtype)
     pos = rng.permutation(C)[:N * K].reshape(N, K)
     bad = rng.random((N, K)) < 0.3
     pos = np.where(bad, rng.choice(np.array([-1, -2 ** 31, C, 2 ** 31 - 1]), (N, K)), pos)
@@ -552,14 +584,34 @@ def test_scatter_quant_is_the_wire_bytes(fmt):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("H", [7168, 256])
 def test_scatter_quant_kernel_bitwise(fmt, dtype, H):
+    """The one-kernel quantizer's bytes equal the format's IEEE float32 math (numpy) on the
+    quantizer's corner rows and on exact ties, and the XLA lowering (see _XLA_GPU_TIES)."""
     from ep_comm import wire
 
-    x, pos, fill, C, defined = _fake_quant_case(fmt, dtype, H, H + 1)
+    x, pos, fill, C, defined = _fake_quant_case(fmt, dtype, H, H + 1, ties=True)
     fn = lambda t, p, f: row_kernels.scatter_quant(  # noqa: E731
         t, p, f, C, block=wire.BLOCK[fmt], mx=fmt == "mxfp8")
     got, want = _both(fn, x, pos, fill)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g)[defined], np.asarray(w)[defined])
+    sent = _placed(_ieee_wire_rows(np.asarray(x), fmt), np.asarray(pos), C)
+    placed = defined & np.isin(np.arange(C), np.asarray(pos))
+    for g, w, ieee in zip(got, want, (sent[:, :H], sent[:, H:])):
+        np.testing.assert_array_equal(np.asarray(g)[placed], ieee[placed])
+        if not (_XLA_GPU_TIES and dtype == jnp.float16):
+            np.testing.assert_array_equal(np.asarray(g)[defined], np.asarray(w)[defined])
+
+
+# XLA's GPU quantizer rounded exact ties (x / scale halfway between two e4m3 values) to the odd
+# neighbour for float16 rows on the H200 (jax 0.11.2; seen in 2 of 4096 x 7168 values): the
+# kernels are compared with the IEEE math there, not with XLA:GPU
+_XLA_GPU_TIES = ON_GPU
+
+
+def _placed(rows, pos, C):
+    """``rows`` placed as the scatters place them (row ``pos[n, k]`` = ``rows[n]``; others 0)."""
+    out = np.zeros((C, rows.shape[1]), rows.dtype)
+    for n_, k in zip(*np.nonzero((pos >= 0) & (pos < C))):
+        out[pos[n_, k]] = rows[n_]
+    return out
 
 
 @gpu_only
@@ -567,16 +619,22 @@ def test_scatter_quant_kernel_bitwise(fmt, dtype, H):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("H", [7168, 256])
 def test_scatter_fake_quant_kernel_bitwise(fmt, dtype, H):
-    """The one-kernel round trip equals the XLA math bit for bit on the quantizer's corner rows
-    (Inf, NaN, zero, tiny, subnormal, huge, rounding and saturation boundaries)."""
+    """The one-kernel round trip equals the format's IEEE float32 math (numpy) bit for bit on the
+    quantizer's corner rows (Inf, NaN, zero, tiny, subnormal, huge, rounding and saturation
+    boundaries, exact ties), and the XLA lowering but for XLA:GPU's float16 ties."""
     from ep_comm import wire
 
-    x, pos, fill, C, defined = _fake_quant_case(fmt, dtype, H, H)
+    x, pos, fill, C, defined = _fake_quant_case(fmt, dtype, H, H, ties=True)
     fn = lambda t, p, f: row_kernels.scatter_fake_quant(  # noqa: E731
         t, p, f, C, block=wire.BLOCK[fmt], mx=fmt == "mxfp8")
     got, want = _both(fn, x, pos, fill)
-    np.testing.assert_array_equal(np.asarray(got, np.float32)[defined],
-                                  np.asarray(want, np.float32)[defined])
+    ieee = _ieee_delivered(_ieee_wire_rows(np.asarray(x), fmt), H, fmt, dtype)
+    placed = defined & np.isin(np.arange(C), np.asarray(pos))
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[placed],
+                                  _placed(np.asarray(ieee, np.float32), np.asarray(pos), C)[placed])
+    if not (_XLA_GPU_TIES and dtype == jnp.float16):
+        np.testing.assert_array_equal(np.asarray(got, np.float32)[defined],
+                                      np.asarray(want, np.float32)[defined])
 
 
 @gpu_only
