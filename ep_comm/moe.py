@@ -15,7 +15,7 @@ dispatch (per rank, ``T`` tokens, ``n`` ranks, ``E_local`` experts per rank):
      ``expert_x``, grouped contiguously by local expert (ordered by source rank, token, k inside
      a group), so ``handle.group_sizes`` feeds ``jax.lax.ragged_dot`` or a grouped GEMM directly;
      the groups' layout is a stable counting sort and each received row is read once
-     (``collectives.row_kernels.rank_by_key`` and ``scatter``).
+     (``collectives.row_kernels.expert_layout`` and ``scatter``).
 
 With one rank and room for every token (``routes.is_local``) nothing moves between ranks: step 3
 is skipped (the receive buffer is ``x`` itself) and so is combine's way back.
