@@ -743,20 +743,27 @@ def scatter_fake_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
     read once and quantized in registers (no FP8 buffer). The bytes never exist, so no gradient
     flows through them: the result is constant in ``table`` (dispatch attaches the
     straight-through gradient)."""
+    table, pos, fill = _quantizing_scatter_args("scatter_fake_quant", table, pos, fill, rows,
+                                                block)
+    return scatter_fake_quant_p.bind(table, pos, fill, rows=int(rows), block=int(block),
+                                     mx=bool(mx), kernel=_want_kernels())
+
+
+def _quantizing_scatter_args(api, table, pos, fill, rows, block):
+    """The checked operands of :func:`scatter_fake_quant` and :func:`scatter_quant` (the table
+    behind a stop_gradient: bytes carry no gradient)."""
     table = jnp.asarray(table)
     pos = jnp.asarray(pos).astype(jnp.int32)
     fill = jnp.asarray(fill).astype(jnp.int32)
     if (table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating) or pos.ndim != 2
             or pos.shape[0] != table.shape[0] or fill.ndim != 1):
-        raise ValueError(f"row_kernels.scatter_fake_quant: table must be floating (N, H), pos "
-                         f"(N, K) and fill 1-D, got table {table.dtype} {tuple(table.shape)}, pos "
+        raise ValueError(f"row_kernels.{api}: table must be floating (N, H), pos (N, K) and fill "
+                         f"1-D, got table {table.dtype} {tuple(table.shape)}, pos "
                          f"{tuple(pos.shape)} and fill {tuple(fill.shape)}")
     if int(rows) < 0 or int(block) < 1:
-        raise ValueError(f"row_kernels.scatter_fake_quant: rows must be >= 0 and block >= 1, got "
-                         f"rows={rows} and block={block}")
-    table, pos, fill = _same_vma(jax.lax.stop_gradient(table), pos, fill)
-    return scatter_fake_quant_p.bind(table, pos, fill, rows=int(rows), block=int(block),
-                                     mx=bool(mx), kernel=_want_kernels())
+        raise ValueError(f"row_kernels.{api}: rows must be >= 0 and block >= 1, got rows={rows} "
+                         f"and block={block}")
+    return _same_vma(jax.lax.stop_gradient(table), pos, fill)
 
 
 def _scatter_fake_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None):
@@ -797,18 +804,7 @@ def scatter_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
     and ``(rows, scale bytes)``, the two byte ranges of each FP8 wire row (:func:`fp8_rows`)
     placed as :func:`scatter` places rows (zero rows: both zero); each table row read once and
     quantized in registers. Not differentiable (bytes)."""
-    table = jnp.asarray(table)
-    pos = jnp.asarray(pos).astype(jnp.int32)
-    fill = jnp.asarray(fill).astype(jnp.int32)
-    if (table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating) or pos.ndim != 2
-            or pos.shape[0] != table.shape[0] or fill.ndim != 1):
-        raise ValueError(f"row_kernels.scatter_quant: table must be floating (N, H), pos (N, K) "
-                         f"and fill 1-D, got table {table.dtype} {tuple(table.shape)}, pos "
-                         f"{tuple(pos.shape)} and fill {tuple(fill.shape)}")
-    if int(rows) < 0 or int(block) < 1:
-        raise ValueError(f"row_kernels.scatter_quant: rows must be >= 0 and block >= 1, got "
-                         f"rows={rows} and block={block}")
-    table, pos, fill = _same_vma(jax.lax.stop_gradient(table), pos, fill)
+    table, pos, fill = _quantizing_scatter_args("scatter_quant", table, pos, fill, rows, block)
     values, scales = scatter_quant_p.bind(table, pos, fill, rows=int(rows), block=int(block),
                                           mx=bool(mx), kernel=_want_kernels())
     return values, scales

@@ -1085,6 +1085,20 @@ scatter_quant_kernel(const T* __restrict__ table, const int32_t* __restrict__ po
   }
 }
 
+// Whether a table of rows of H values fits the quantizing scatters: whole blocks of `block`
+// values, each 1 to 32 (a power of two) 16-byte pieces, the table 16-byte aligned.
+bool quantizing_shape(const ffi::AnyBuffer& table, int64_t H, int64_t block) {
+  const int64_t V = 16 / static_cast<int64_t>(ffi::ByteWidth(table.element_type()));
+  const int64_t G = V > 0 && block > 0 && block % V == 0 ? block / V : 0;
+  return G >= 1 && G <= 32 && (G & (G - 1)) == 0 && H % block == 0 &&
+         aligned(table.untyped_data(), 16);
+}
+
+std::string quantizing_shape_rule(int64_t H, int64_t block) {
+  return "rows of " + std::to_string(H) + " values in blocks of " + std::to_string(block) +
+         " need whole blocks of 1 to 32 16-byte pieces, 16-byte aligned";
+}
+
 template <typename T>
 cudaError_t launch_scatter_fake_quant(cudaStream_t s, const void* table, const int32_t* pos,
                                       const int32_t* fill, void* out, int64_t n, int K,
@@ -1112,13 +1126,8 @@ ffi::Error ScatterFakeQuant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buff
                                        "(M, H) of the table's type");
   }
   const int64_t n = tdims[0], H = tdims[1], m = odims[0];
-  const int64_t V = 16 / static_cast<int64_t>(ffi::ByteWidth(table.element_type()));
-  const int64_t G = V > 0 && block % V == 0 ? block / V : 0;
-  if (G < 1 || G > 32 || (G & (G - 1)) != 0 || H % block != 0 ||
-      !aligned(table.untyped_data(), 16) || !aligned(out->untyped_data(), 16)) {
-    return ffi::Error::InvalidArgument(where + "rows of " + std::to_string(H) + " values in "
-                                       "blocks of " + std::to_string(block) + " need whole blocks "
-                                       "of 1 to 32 16-byte pieces, 16-byte aligned");
+  if (!quantizing_shape(table, H, block) || !aligned(out->untyped_data(), 16)) {
+    return ffi::Error::InvalidArgument(where + quantizing_shape_rule(H, block));
   }
   const int K = static_cast<int>(pdims[1]);
   const int64_t n_fill = fill.element_count();
@@ -1173,16 +1182,11 @@ ffi::Error ScatterQuant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<f
                                        "and scales (M, scale bytes)");
   }
   const int64_t n = tdims[0], H = tdims[1], m = vdims[0];
-  const int64_t V = 16 / static_cast<int64_t>(ffi::ByteWidth(table.element_type()));
-  const int64_t G = V > 0 && block % V == 0 ? block / V : 0;
-  if (G < 1 || G > 32 || (G & (G - 1)) != 0 || H % block != 0 ||
-      sdims[1] != (H / block) * (mx ? 1 : 4) || !aligned(table.untyped_data(), 16) ||
+  if (!quantizing_shape(table, H, block) || sdims[1] != (H / block) * (mx ? 1 : 4) ||
       !aligned(values->untyped_data(), 16) || !aligned(scales->untyped_data(), 4)) {
-    return ffi::Error::InvalidArgument(where + "rows of " + std::to_string(H) + " values in "
-                                       "blocks of " + std::to_string(block) + " need whole blocks "
-                                       "of 1 to 32 16-byte pieces, aligned, and " +
-                                       std::to_string((H / std::max<int64_t>(block, 1)) *
-                                                      (mx ? 1 : 4)) + " scale bytes a row");
+    return ffi::Error::InvalidArgument(where + quantizing_shape_rule(H, block) + ", and " +
+                                       (mx ? "one scale byte" : "four scale bytes") +
+                                       " a block in a row");
   }
   const int K = static_cast<int>(pdims[1]);
   const int64_t n_fill = fill.element_count();
