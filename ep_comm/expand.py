@@ -51,8 +51,8 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     one pass; ``split_at=hidden``: the buffer holds FP8 wire rows and ``expert_x`` is their
     ``(values, scales)`` bytes, each written apart; ``round_trip``: the buffer holds unquantized
     rows (one rank, no wire) and ``expert_x`` what the FP8 wire would deliver (its values, or
-    with ``split_at`` its bytes), quantized on the way in one pass. Pairs past ``cfg.expert_rows`` are dropped (counted by
-    dispatch)."""
+    with ``split_at`` its bytes), quantized on the way in one pass. Pairs past
+    ``cfg.expert_rows`` are dropped (counted by dispatch)."""
     R, C, L = cfg.recv_token_rows, cfg.expert_rows, cfg.experts_per_rank
     buf_x, buf_route, flat_to_buf = route.x, route.route, route.flat_to_buf
     # routing in the flat order (source rank, source token); flat_to_buf: the receive-buffer row
@@ -74,14 +74,14 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     fill = lay.fill
     if cfg.wire_format is not None:
         block, mx = wire.BLOCK[cfg.wire_format], cfg.wire_format == "mxfp8"
-    if round_trip and split_at is None:  # no wire: each row quantized and dequantized at once
-        expert_x = row_kernels.scatter_fake_quant(buf_x, targets, fill, C, block=block, mx=mx)
+    if round_trip:  # no wire: each row quantized in registers, written as codes and scales or
+        # dequantized
+        quantizing = row_kernels.scatter_quant if split_at else row_kernels.scatter_fake_quant
+        expert_x = quantizing(buf_x, targets, fill, C, block=block, mx=mx)
     elif dequantize_to is not None:  # FP8 rows: each dequantized once, on the way
         hidden, dtype = dequantize_to
         expert_x = row_kernels.scatter_dequant(buf_x, targets, fill, C, hidden=hidden,
                                                block=block, mx=mx, dtype=dtype)
-    elif split_at is not None and round_trip:  # no wire, kept quantized: from x in one pass
-        expert_x = row_kernels.scatter_quant(buf_x, targets, fill, C, block=block, mx=mx)
     elif split_at is not None:  # FP8 rows kept: their values and scales bytes, apart
         end = split_at + row_kernels.scale_bytes(split_at, block, mx)
         expert_x = tuple(row_kernels.scatter(buf_x, targets, fill, C, columns=c)

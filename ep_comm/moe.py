@@ -133,7 +133,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     # 3. move tokens and routing (weights, and ids as float32: exact below 2**24) to the ranks.
     route = jnp.concatenate([topk_weights.astype(jnp.float32), topk_ids.astype(jnp.float32)], 1)
     # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes (with
-    # no wire, one rank, dequantized rows come from x in one pass: the bytes never exist)
+    # no wire, one rank, expand quantizes x's rows as it places them: no wire rows exist)
     local = is_local(cfg, plan.kind)
     round_trip = local and cfg.wire_format is not None
     rows = x if cfg.wire_format is None or round_trip else wire.pack_rows(x, cfg.wire_format)
