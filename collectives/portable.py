@@ -28,8 +28,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from collectives import watchdog
-
 
 def slot_rows(operand_rows: int, output_rows: int, max_segment_rows: int | None = None) -> int:
     """Rows per segment slot of the padded exchange."""
@@ -56,10 +54,9 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     ``max_segment_rows``: a static bound on every segment's size that the caller guarantees (e.g.
     dispatch: a rank sends each token at most once to a peer, so at most ``T`` rows); it shrinks
     the slots and so the padding. Rows of a segment past the bound are not sent. ``label`` and
-    ``tag`` (native-engine diagnostics) are accepted for a uniform signature; ``label`` names the
-    operation in the watchdog's diagnostics (:mod:`collectives.watchdog`).
+    ``tag`` (native-engine diagnostics) are accepted for a uniform signature and unused.
     """
-    del tag
+    del label, tag
     num_segments = input_offsets.shape[0]
     n_rows_in, n_rows_out = operand.shape[0], output.shape[0]
     slot = slot_rows(n_rows_in, n_rows_out, max_segment_rows)
@@ -79,13 +76,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     packed = packed.reshape(num_segments, slot, *operand.shape[1:])
     packed = jnp.where(_broadcast_rows(valid, packed), packed, jnp.zeros((), packed.dtype))
 
-    # 2. exchange slots and the receiver-frame offsets (between CPU processes under the watchdog:
-    # XLA's collectives there wait forever for a peer that never comes).
-    exchange = lambda a: lax.all_to_all(a, axis_name, 0, 0, tiled=True,  # noqa: E731
-                                        axis_index_groups=axis_index_groups)
-    what = label or "ragged_all_to_all"
-    received = watchdog.guard(what, exchange, packed)
-    recv_offsets = watchdog.guard(f"{what} (offsets)", exchange, output_offsets)
+    # 2. exchange slots and the receiver-frame offsets.
+    received = lax.all_to_all(packed, axis_name, 0, 0, tiled=True,
+                              axis_index_groups=axis_index_groups)
+    recv_offsets = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True,
+                                  axis_index_groups=axis_index_groups)
 
     # 3. unpack: find, for every output row, the (last-starting) non-empty segment covering it.
     big = jnp.iinfo(i32).max
