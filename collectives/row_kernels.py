@@ -90,6 +90,15 @@ def _zero_tangent(out):
     return ad.Zero(jax.typeof(out).to_tangent_aval())
 
 
+def _constant_jvp(p):
+    """Register ``p`` as constant in its operands (it moves bytes: no gradient flows)."""
+    def jvp(primals, tangents, **params):
+        out = p.bind(*primals, **params)
+        return out, ([_zero_tangent(o) for o in out] if p.multiple_results
+                     else _zero_tangent(out))
+    ad.primitive_jvps[p] = jvp
+
+
 def _poison(dtype):
     dtype = np.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
@@ -722,18 +731,13 @@ def _scatter_dequant_reference(table, pos, fill, *, rows, hidden, block, mx, dty
     return dequantize_blocks(values, e8m0_scales(scales) if mx else scales, block, dtype)
 
 
-def _scatter_dequant_jvp(primals, tangents, **params):
-    out = scatter_dequant_p.bind(*primals, **params)
-    return out, _zero_tangent(out)
-
-
 scatter_dequant_p = _primitive(
     "ep_comm_rows_scatter_dequant", _scatter_dequant_reference,
     lambda table, pos, fill, *, rows, hidden, block, mx, dtype, kernel: table.update(
         shape=(rows, hidden), dtype=dtype, weak_type=False),
     ("rows", "hidden", "block", "mx", "dtype", "kernel"),
     ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)))
-ad.primitive_jvps[scatter_dequant_p] = _scatter_dequant_jvp
+_constant_jvp(scatter_dequant_p)
 
 
 def scatter_fake_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
@@ -767,10 +771,10 @@ def _quantizing_scatter_args(api, table, pos, fill, rows, block):
 
 
 def _scatter_fake_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None):
-    values, scales = quantize_blocks(table, block, mx)
-    scales = e8m0_scales(scales) if mx else scales
-    rows_out = dequantize_blocks(values, scales, block, table.dtype)
-    return _scatter_reference(rows_out, pos, fill, rows=rows)
+    # the wire's path itself: the rows as wire rows, scattered, then dequantized
+    return _scatter_dequant_reference(fp8_rows(table, block, mx), pos, fill, rows=rows,
+                                      hidden=table.shape[1], block=block, mx=mx,
+                                      dtype=table.dtype)
 
 
 def _fake_quant_fits(ctx, *, block, **_):
@@ -791,12 +795,7 @@ scatter_fake_quant_p = _primitive(
     kernel_fits=_fake_quant_fits)
 
 
-def _scatter_fake_quant_jvp(primals, tangents, **params):
-    out = scatter_fake_quant_p.bind(*primals, **params)
-    return out, _zero_tangent(out)
-
-
-ad.primitive_jvps[scatter_fake_quant_p] = _scatter_fake_quant_jvp
+_constant_jvp(scatter_fake_quant_p)
 
 
 def scatter_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
@@ -823,17 +822,12 @@ def _scatter_quant_abstract(table, pos, fill, *, rows, block, mx, kernel):
     return [u8(rows, H), u8(rows, scale_bytes(H, block, mx))]
 
 
-def _scatter_quant_jvp(primals, tangents, **params):
-    out = scatter_quant_p.bind(*primals, **params)
-    return out, [_zero_tangent(o) for o in out]
-
-
 scatter_quant_p = _primitive(
     "ep_comm_rows_scatter_quant", _scatter_quant_reference, _scatter_quant_abstract,
     ("rows", "block", "mx", "kernel"),
     ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
     kernel_fits=_fake_quant_fits, multiple_results=True)
-ad.primitive_jvps[scatter_quant_p] = _scatter_quant_jvp
+_constant_jvp(scatter_quant_p)
 
 
 # --- empty ----------------------------------------------------------------------------------------
