@@ -375,6 +375,105 @@ key_rank_p = _primitive(
     ("kernel",), kernel_fits=lambda ctx, *, kernel: ctx.avals_in[1].shape[1] <= MAX_RANK_KEYS)
 
 
+# --- token_routes (dispatch's sender-side layout, one kernel) -------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenRoutes:
+    """Where each token goes (see :func:`token_routes`).
+
+    Attributes:
+      route: ``(T, 2K)`` float32; the token's weights then its expert ids (as float32, exact below
+        2**24), for its valid slots (weight 0 and id -1 elsewhere): the routing that travels.
+      dest: ``(T, K)`` int32; the rank holding each slot's expert (``num_ranks``: not routed).
+      in_rank: ``(T, num_ranks)`` bool; whether the token goes to each rank.
+      first: ``(T, K)`` bool; the slot is the token's first to its rank.
+      tokens_per_rank, pairs_per_rank: ``(num_ranks,)`` int32; tokens to each rank (once per rank)
+        and distinct (token, expert) pairs to it.
+      num_invalid: ``()`` int32; ids outside ``[-1, num_experts)`` (not routed).
+    """
+
+    route: jax.Array
+    dest: jax.Array
+    in_rank: jax.Array
+    first: jax.Array
+    tokens_per_rank: jax.Array
+    pairs_per_rank: jax.Array
+    num_invalid: jax.Array
+
+
+def token_routes(topk_ids, topk_weights, *, num_experts: int, num_ranks: int) -> TokenRoutes:
+    """Dispatch's sender-side layout: for each token, the ranks holding its experts (placed in
+    contiguous blocks of ``num_experts // num_ranks``) and the per-rank counts; ``topk_ids``
+    ``(T, K)`` integer (-1: no expert), ``topk_weights`` ``(T, K)`` floating. On GPUs one kernel;
+    elsewhere (and as its reference) XLA. Returns a :class:`TokenRoutes`."""
+    ids = jnp.asarray(topk_ids)
+    w = jnp.asarray(topk_weights)
+    if (ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or w.shape != ids.shape
+            or not jnp.issubdtype(w.dtype, jnp.floating)):
+        raise ValueError(f"row_kernels.token_routes: topk_ids must be integer (T, K) and "
+                         f"topk_weights floating of the same shape, got {ids.dtype} "
+                         f"{tuple(ids.shape)} and {w.dtype} {tuple(w.shape)}")
+    E, n = int(num_experts), int(num_ranks)
+    if n < 1 or E < n or E % n:
+        raise ValueError(f"row_kernels.token_routes: num_ranks must divide num_experts, got "
+                         f"num_experts={num_experts} and num_ranks={num_ranks}")
+    ids, w = _same_vma(ids.astype(jnp.int32), w.astype(jnp.float32))
+    route, dest, in_rank, first, counts, invalid = token_routes_p.bind(
+        ids, w, num_experts=E, num_ranks=n, kernel=_want_kernels())
+    return TokenRoutes(route, dest, in_rank, first, counts[:n], counts[n:], invalid[0])
+
+
+def _token_routes_reference(ids, w, *, num_experts, num_ranks, kernel=None):
+    del kernel
+    E, n, i32 = num_experts, num_ranks, jnp.int32
+    L = E // n
+    valid = (ids >= 0) & (ids < E)
+    dest = jnp.where(valid, ids // L, n)
+    earlier = jnp.tril(jnp.ones((ids.shape[1],) * 2, bool), k=-1)  # [k, j]: j before k
+    repeats = lambda a: jnp.any((a[:, :, None] == a[:, None, :]) & earlier, axis=2)  # noqa: E731
+    first = (dest < n) & ~repeats(dest)
+    in_rank = jnp.any(dest[:, :, None] == jnp.arange(n, dtype=i32), axis=1)
+    distinct = valid & ~repeats(ids)
+    pairs = jnp.sum(distinct[:, :, None] & (dest[:, :, None] == jnp.arange(n, dtype=i32)),
+                    axis=(0, 1), dtype=i32)
+    route = jnp.concatenate([jnp.where(valid, w, 0.0), jnp.where(valid, ids, -1)
+                             .astype(jnp.float32)], axis=1)
+    invalid = jnp.sum((ids != -1) & ~valid, dtype=i32)
+    return [route, dest.astype(i32), in_rank, first,
+            jnp.concatenate([jnp.sum(in_rank, axis=0, dtype=i32), pairs]), invalid[None]]
+
+
+def _token_routes_abstract(ids, w, *, num_experts, num_ranks, kernel):
+    T, K = ids.shape
+    like = lambda shape, dtype: ids.update(shape=shape, dtype=dtype, weak_type=False)  # noqa: E731
+    return [like((T, 2 * K), jnp.float32), like((T, K), jnp.int32),
+            like((T, num_ranks), jnp.bool_), like((T, K), jnp.bool_),
+            like((2 * num_ranks,), jnp.int32), like((1,), jnp.int32)]
+
+
+def _token_routes_jvp(primals, tangents, **params):
+    """Only the weights (in ``route``'s first K columns) are differentiable: a masked copy."""
+    out = token_routes_p.bind(*primals, **params)
+    tangent_out = [_zero_tangent(o) for o in out]
+    t = tangents[1]
+    if type(t) is not ad.Zero:
+        ids = primals[0]
+        valid = (ids >= 0) & (ids < params["num_experts"])
+        tangent_out[0] = jnp.concatenate([jnp.where(valid, t, 0.0), jnp.zeros_like(t)], axis=1)
+    return out, tangent_out
+
+
+token_routes_p = _primitive(
+    "ep_comm_rows_token_routes", _token_routes_reference, _token_routes_abstract,
+    ("num_experts", "num_ranks", "kernel"),
+    ffi_attrs=lambda *, num_experts, **_: dict(num_experts=np.int64(num_experts)),
+    kernel_fits=lambda ctx, *, num_ranks, **_: (num_ranks <= 5631
+                                                and 1 <= ctx.avals_in[0].shape[1] <= 1024),
+    multiple_results=True)
+ad.primitive_jvps[token_routes_p] = _token_routes_jvp
+
+
 # --- expert_layout (dispatch's receive-side layout, fused) ----------------------------------------
 
 @jax.tree_util.register_dataclass

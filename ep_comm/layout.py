@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from collectives import row_kernels
 from ep_comm.placement import ExpertPlacement
 
 
@@ -56,15 +57,6 @@ def repeats_earlier(ids):
     return jnp.any(jnp.tril(same, k=-1), axis=-1)
 
 
-def routed(topk_ids, placement: ExpertPlacement):
-    """``(valid, dest_rank, local_expert)`` per (token, k); ``valid`` excludes -1 and bad ids."""
-    ids = topk_ids.astype(jnp.int32)
-    valid = (ids >= 0) & (ids < placement.num_experts)
-    dest = jnp.where(valid, placement.rank_of(ids), placement.num_ranks)
-    local = jnp.where(valid, placement.local_index(ids), -1)
-    return valid, dest, local
-
-
 def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLayout:
     """Count, for one rank's tokens, how many go to each rank and expert.
 
@@ -76,26 +68,27 @@ def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLa
     Works anywhere (inside or outside ``shard_map``): it is local to the calling rank.
     """
     placement = ExpertPlacement(num_experts, num_ranks)
-    return layout_and_routes(check_topk_ids("dispatch_layout", topk_ids), placement)[0]
+    ids = check_topk_ids("dispatch_layout", topk_ids).astype(jnp.int32)
+    return layout_of(ids, token_routes(ids, jnp.zeros(ids.shape, jnp.float32), placement),
+                     placement)
 
 
-def layout_and_routes(topk_ids, placement: ExpertPlacement):
-    """``(DispatchLayout, valid, dest, local)`` for validated ids (see :func:`routed`)."""
-    num_experts, num_ranks = placement.num_experts, placement.num_ranks
-    valid, dest, local = routed(topk_ids, placement)
-    ids = topk_ids.astype(jnp.int32)
-    invalid = (ids != -1) & ~valid
-    in_rank = jnp.any(dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32), axis=1)
-    distinct = valid & ~repeats_earlier(ids)
-    per_expert = jnp.bincount(jnp.where(distinct, ids, num_experts).reshape(-1),
-                              length=num_experts + 1)[:num_experts]
-    per_rank_pairs = jnp.bincount(jnp.where(distinct, dest, num_ranks).reshape(-1),
-                                  length=num_ranks + 1)[:num_ranks]
-    layout = DispatchLayout(
-        num_tokens_per_rank=jnp.sum(in_rank, axis=0, dtype=jnp.int32),
+def token_routes(topk_ids, topk_weights, placement: ExpertPlacement):
+    """:func:`collectives.row_kernels.token_routes` for a placement (one kernel on GPUs)."""
+    return row_kernels.token_routes(topk_ids, topk_weights, num_experts=placement.num_experts,
+                                    num_ranks=placement.num_ranks)
+
+
+def layout_of(ids, routes, placement: ExpertPlacement) -> DispatchLayout:
+    """The :class:`DispatchLayout` of validated ids ``(T, K)`` int32 and their token routes (the
+    per-expert counts, which dispatch does not use, from the ids)."""
+    E = placement.num_experts
+    distinct = (ids >= 0) & (ids < E) & ~repeats_earlier(ids)
+    per_expert = jnp.bincount(jnp.where(distinct, ids, E).reshape(-1), length=E + 1)[:E]
+    return DispatchLayout(
+        num_tokens_per_rank=routes.tokens_per_rank,
         num_tokens_per_expert=per_expert.astype(jnp.int32),
-        is_token_in_rank=in_rank,
-        num_pairs_per_rank=per_rank_pairs.astype(jnp.int32),
-        num_invalid=jnp.sum(invalid, dtype=jnp.int32),
+        is_token_in_rank=routes.in_rank,
+        num_pairs_per_rank=routes.pairs_per_rank,
+        num_invalid=routes.num_invalid,
     )
-    return layout, valid, dest, local

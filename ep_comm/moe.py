@@ -42,7 +42,7 @@ from ep_comm import plan as plans
 from ep_comm.config import EPConfig
 from ep_comm.expand import expand, expert_rows_read
 from ep_comm.handle import EPHandle
-from ep_comm.layout import check_topk_ids, layout_and_routes
+from ep_comm.layout import check_topk_ids, token_routes
 from ep_comm import wire
 from ep_comm.overflow import runtime_check
 from ep_comm.rows import gather_sum
@@ -112,8 +112,10 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     ax = cfg.axis_name
     me = lax.axis_index(ax)
 
-    # 1. layout of this rank's tokens.
-    layout, valid, dest, local = layout_and_routes(topk_ids, cfg.placement)
+    # 1. layout of this rank's tokens (one kernel on GPUs): their routing rows, destination
+    # ranks and per-rank counts.
+    tr = token_routes(topk_ids, topk_weights, cfg.placement)
+    dest = tr.dest
     hierarchical = plan.kind == "hierarchical"
     if hierarchical:
         N, G = plan.shape
@@ -121,7 +123,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
         in_node = jnp.any(node[:, :, None] == jnp.arange(N, dtype=i32), axis=1)  # (T, N)
 
     # 2. the n x n traffic matrices (and tokens per node), identical on every rank.
-    mine = [layout.num_tokens_per_rank, layout.num_pairs_per_rank]
+    mine = [tr.tokens_per_rank, tr.pairs_per_rank]
     if hierarchical:
         mine.append(jnp.sum(in_node, axis=0, dtype=i32))
     counts = gather_counts(cfg, jnp.concatenate(mine), api)
@@ -131,7 +133,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     kept = jnp.clip(R - recv_start, 0, tok)  # [s, d]: what fits on d (a prefix of s's tokens)
 
     # 3. move tokens and routing (weights, and ids as float32: exact below 2**24) to the ranks.
-    route = jnp.concatenate([topk_weights.astype(jnp.float32), topk_ids.astype(jnp.float32)], 1)
+    route = tr.route
     # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes (with
     # no wire, one rank, expand quantizes x's rows as it places them: no wire rows exist)
     local = is_local(cfg, plan.kind)
@@ -141,9 +143,9 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
         moved = hierarchical_route(cfg, plan, rows, route, node, in_node, kept,
                                    counts[:, 2 * n:], me)
     elif local:
-        moved = local_route(cfg, rows, route, dest, tok, kept)
+        moved = local_route(cfg, rows, route, tr.first, tok, kept)
     else:
-        moved = flat_route(cfg, plan, rows, route, dest, tok, kept, me)
+        moved = flat_route(cfg, plan, rows, route, dest, tr.in_rank, tr.first, tok, kept, me)
 
     # 4. expand into groups contiguous per local expert.
     num_recv = jnp.sum(kept[:, me])
@@ -161,7 +163,7 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
         group_sizes=ex.group_sizes,
         num_recv_tokens=num_recv.astype(i32)[None],
         num_dropped=(expected - ex.num_grouped).astype(i32)[None],
-        num_invalid=layout.num_invalid[None],
+        num_invalid=tr.num_invalid[None],
         traffic=jnp.stack([tok[me], kept[:, me]]),
         link_rows=sent,
         token_send_row=moved.token_send_row,

@@ -168,17 +168,17 @@ def _move(cfg, stage, leg, x, route, rows, segment_rows, what):
             exchange(cfg, stage, leg, route, rows, segment_rows, f"dispatch ({what}routing)"))
 
 
-def flat_route(cfg, plan, x, route, dest, tok, kept, me) -> Route:
-    """Each token once to every rank holding one of its experts (one leg)."""
+def flat_route(cfg, plan, x, route, dest, in_rank, first, tok, kept, me) -> Route:
+    """Each token once to every rank holding one of its experts (one leg). ``in_rank``,
+    ``first``: the token routes' (``ep_comm.layout.token_routes``)."""
     T, K, n = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks
     R = cfg.recv_token_rows
     send_starts = exclusive_cumsum(tok, axis=1)  # row of s's send buffer where d's block starts
-    in_rank = jnp.any(dest[:, :, None] == jnp.arange(n, dtype=jnp.int32), axis=1)  # (T, n)
     item, to, send_row = pack(in_rank, send_starts[me], cfg.send_rows)
     send_x, send_route = send_buffer(x, route, item, to, send_row, dest, K)
     leg = make_leg(kept, send_starts, me, jnp.arange(n, dtype=jnp.int32))
     recv_x, recv_route = _move(cfg, plan.stages[0], leg, send_x, send_route, R, T, "")
-    return Route(recv_x, recv_route, None, (leg,), first_rows(dest, send_row, n), None)
+    return Route(recv_x, recv_route, None, (leg,), first_rows(dest, send_row, n, first), None)
 
 
 def is_local(cfg, plan_kind: str) -> bool:
@@ -189,24 +189,25 @@ def is_local(cfg, plan_kind: str) -> bool:
             and cfg.recv_token_rows >= cfg.tokens_per_rank)
 
 
-def local_route(cfg, x, route, dest, tok, kept) -> Route:
+def local_route(cfg, x, route, first, tok, kept) -> Route:
     """The flat route when :func:`is_local`: no pack and no exchange (a self-copy), the receive
-    buffer is ``x`` itself, row ``t`` token ``t`` (a token without an expert here has routing -1);
-    so dispatch's expand is the only pass over the rows. The leg still describes the (self)
-    traffic, for ``link_rows``; the handle carries no legs (combine has nothing to reverse)."""
-    T, K = cfg.tokens_per_rank, cfg.topk
-    ok = dest == 0
-    buf_route = jnp.concatenate([jnp.where(ok, route[:, :K], 0.0),
-                                 jnp.where(ok, route[:, K:], -1.0)], axis=1)
-    send_row = jnp.where(jnp.any(ok, axis=1), jnp.arange(T, dtype=jnp.int32), -1)[:, None]
+    buffer is ``x`` itself, row ``t`` token ``t``, and its routing the token routes' (every
+    valid slot is this rank's; the others carry weight 0 and id -1); so dispatch's expand is the
+    only pass over the rows. ``first``: the token routes' first slot per rank. The leg still
+    describes the (self) traffic, for ``link_rows``; the handle carries no legs (combine has
+    nothing to reverse)."""
+    T = cfg.tokens_per_rank
     leg = make_leg(kept, exclusive_cumsum(tok, axis=1), 0, jnp.zeros((1,), jnp.int32))
-    return Route(x, buf_route, None, (leg,), first_rows(dest, send_row, 1), None)
+    token_send_row = jnp.where(first, jnp.arange(T, dtype=jnp.int32)[:, None], -1)
+    return Route(x, route, None, (leg,), token_send_row, None)
 
 
-def first_rows(dest, send_row, P):
+def first_rows(dest, send_row, P, first=None):
     """``(T, K)`` send row of slot ``k`` when it is the first of its token's slots to its
-    destination (``dest`` in ``[0, P)``; ``P`` = not routed), else -1."""
-    first = (dest < P) & ~repeats_earlier(dest)
+    destination (``dest`` in ``[0, P)``; ``P`` = not routed; ``first``: that mask when known),
+    else -1."""
+    if first is None:
+        first = (dest < P) & ~repeats_earlier(dest)
     return jnp.where(first, jnp.take_along_axis(send_row, jnp.minimum(dest, P - 1), 1), -1)
 
 

@@ -364,6 +364,67 @@ def test_expert_layout_weights_gradient_and_errors():
         row_kernels.expert_layout(route, 1, 0, experts=2, rows=-1)
 
 
+def _token_routes_model(ids, w, E, n):
+    """token_routes in numpy: a loop over tokens and slots."""
+    T, K = ids.shape
+    L = E // n
+    route, dest = np.zeros((T, 2 * K), np.float32), np.full((T, K), n)
+    in_rank, first = np.zeros((T, n), bool), np.zeros((T, K), bool)
+    tokens, pairs, invalid = np.zeros(n, int), np.zeros(n, int), 0
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            ok = 0 <= e < E
+            invalid += e != -1 and not ok
+            route[t, k], route[t, K + k] = (w[t, k], e) if ok else (0.0, -1.0)
+            if not ok:
+                continue
+            dest[t, k] = e // L
+            first[t, k] = all(not (0 <= f < E and f // L == e // L) for f in ids[t, :k])
+            in_rank[t, e // L] = True
+            tokens[e // L] += first[t, k]
+            pairs[e // L] += e not in ids[t, :k]
+    return dict(route=route, dest=dest, in_rank=in_rank, first=first, tokens_per_rank=tokens,
+                pairs_per_rank=pairs, num_invalid=invalid)
+
+
+ROUTES_CASES = [(1, 1, 1, 1), (37, 8, 256, 1), (300, 6, 64, 8), (1025, 8, 256, 64),
+                (2100, 3, 12, 12)]  # T, K, E, n
+
+
+def _routes_case(T, K, E, n):
+    rng = np.random.default_rng(T + K + E + n)
+    ids = rng.integers(0, E, (T, K))
+    ids[:, -1] = np.where(rng.random(T) < 0.3, ids[:, 0], ids[:, -1])  # repeated experts
+    odd = rng.random((T, K))
+    ids = np.where(odd < 0.05, -1, np.where(odd > 0.98, rng.choice([E, E + 7, -2, -2 ** 31],
+                                                                  (T, K)), ids))
+    return ids.astype(np.int32), rng.random((T, K)).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", ROUTES_CASES)
+def test_token_routes_against_numpy(case):
+    T, K, E, n = case
+    ids, w = _routes_case(*case)
+    got = jax.jit(lambda i, v: row_kernels.token_routes(i, v, num_experts=E, num_ranks=n))(ids, w)
+    for f, v in _token_routes_model(ids, w, E, n).items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), v, err_msg=f)
+
+
+def test_token_routes_gradient_and_errors():
+    ids, w = _routes_case(50, 4, 16, 4)
+    c = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    g = jax.grad(lambda v: jnp.sum(row_kernels.token_routes(ids, v, num_experts=16,
+                                                            num_ranks=4).route * c))(w)
+    np.testing.assert_array_equal(np.asarray(g), np.where((ids >= 0) & (ids < 16), c[:, :4], 0))
+    with pytest.raises(ValueError, match=r"row_kernels.token_routes: num_ranks must divide "
+                       r"num_experts, got num_experts=10 and num_ranks=4"):
+        row_kernels.token_routes(ids, w, num_experts=10, num_ranks=4)
+    with pytest.raises(ValueError, match=r"row_kernels.token_routes: topk_ids must be integer "
+                       r"\(T, K\) and topk_weights floating of the same shape, got float32"):
+        row_kernels.token_routes(w, w, num_experts=16, num_ranks=4)
+
+
 def test_expert_x_zero_fill_option():
     """``EPConfig(zero_fill=True)``: every row past the groups is zero (the default leaves all
     but the first ZERO_TAIL_ROWS unspecified)."""
@@ -652,6 +713,17 @@ def test_expert_layout_kernel_bitwise(case):
         r, num_recv, me, experts=L, rows=C, fill_rows=256, zero_fill=zero_fill)), route)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@gpu_only
+@pytest.mark.parametrize("case", ROUTES_CASES + [(4096, 8, 256, 1), (8192, 8, 256, 8)])
+def test_token_routes_kernel_bitwise(case):
+    T, K, E, n = case
+    ids, w = _routes_case(*case)
+    got, want = _both(lambda i, v: dataclasses.astuple(row_kernels.token_routes(
+        i, v, num_experts=E, num_ranks=n)), ids, w)
+    for g, v in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
 
 
 def _synthetic_route(rng, n, L, K, T, H, plan, dtype=jnp.bfloat16):

@@ -26,6 +26,8 @@
 //   ep_comm_rows_key_rank    rank[i] = base[c, k] + the entries before i in chunk c with key k,
 //                            order[rank[i]] = i: with base from the counts' scans, a stable
 //                            counting sort (dispatch's expert-major layout, no radix sort).
+//   ep_comm_rows_token_routes  dispatch's sender-side layout in one kernel: each token's routing
+//                            row, destination ranks and the per-rank counts.
 //   ep_comm_rows_expert_layout  dispatch's receive-side layout in three kernels: the counting
 //                            sort of the received (row, expert) pairs into expert-major rows and
 //                            every index the expand and the handle need (see below).
@@ -668,6 +670,122 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
   a.counts = a.first + m;
   a.zero_fill = zero_fill != 0;
   const cudaError_t e = launch_layout(stream, a);
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+// ---- token_routes: dispatch's sender-side layout, one kernel -----------------------------------
+// Per token (ids (T, K) int32, weights (T, K) float32; E experts in contiguous blocks of L = E / n
+// over n ranks): route (T, 2K) float32 = the weights then the ids of its valid slots (0 and -1
+// elsewhere), dest (T, K) = the rank of each valid slot (n elsewhere), in_rank (T, n), first (T, K):
+// a valid slot whose rank no earlier slot of the token has, counts (2n,): tokens per rank, then
+// distinct (token, expert) pairs per rank, and invalid (1,): ids outside [-1, E). A block per
+// chunk of whole tokens, a thread per slot.
+
+constexpr int kRoutesThreads = 1024;
+
+__global__ void __launch_bounds__(kRoutesThreads)
+token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights,
+                    float* __restrict__ route, int32_t* __restrict__ dest, bool* __restrict__ in_rank,
+                    bool* __restrict__ first, int32_t* __restrict__ counts,
+                    int32_t* __restrict__ invalid, int64_t T, int K, int32_t E, int32_t n) {
+  // a block per chunk of whole tokens, a thread per slot: one load round trip, the token's
+  // earlier slots from shared memory; the block's counts in shared memory, then added to the
+  // (zeroed) global ones
+  extern __shared__ int32_t smem[];  // tokens (n) | pairs (n) | chunk's ids
+  int32_t* cnt = smem;
+  int32_t* sid = smem + 2 * n;
+  for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) cnt[r] = 0;
+  const int32_t L = E / n;
+  const int64_t per = kRoutesThreads / K, slots = per * K;  // whole tokens per chunk
+  const int64_t t0 = int64_t{blockIdx.x} * per;
+  const int s = threadIdx.x;
+  const int64_t t = t0 + s / K, i = t * K + s % K;
+  const bool live = s < slots && t < T;
+  const int32_t e = live ? ids[i] : -1;
+  const float w = live ? weights[i] : 0.0f;
+  sid[s] = e;
+  for (int64_t j = s; j < per * n; j += blockDim.x) {  // this chunk's tokens: no rank yet
+    if (t0 + j / n < T) in_rank[(t0 + j / n) * n + j % n] = false;
+  }
+  __syncthreads();
+  const int k = s % K;
+  const bool valid = live && e >= 0 && e < E;
+  const int32_t d = valid ? e / L : n;
+  bool new_rank = valid, new_expert = valid;
+  for (int j = 0; live && j < k; ++j) {
+    const int32_t f = sid[s - k + j];
+    new_expert &= f != e;
+    new_rank &= !(f >= 0 && f < E && f / L == d);
+  }
+  if (live) {
+    route[t * 2 * K + k] = valid ? w : 0.0f;
+    route[t * 2 * K + K + k] = valid ? static_cast<float>(e) : -1.0f;
+    dest[i] = d;
+    first[i] = new_rank;
+    if (new_rank) in_rank[t * n + d] = true;
+  }
+  // warp-aggregated shared counts (with one rank every slot adds to the same counter): the
+  // lanes of one key elect a leader that adds their number; every thread takes part
+  const unsigned lane = threadIdx.x & 31;
+  const int32_t keys[2] = {new_rank ? d : -1, new_expert ? n + d : -1};
+  for (const int32_t key : keys) {
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    if (key >= 0 && lane == static_cast<unsigned>(__ffs(peers) - 1)) {
+      atomicAdd(&cnt[key], __popc(peers));
+    }
+  }
+  const int bad = __syncthreads_count(live && e != -1 && !(e >= 0 && e < E));
+  for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) {
+    if (cnt[r]) atomicAdd(&counts[r], cnt[r]);
+  }
+  if (threadIdx.x == 0 && bad) atomicAdd(invalid, bad);
+}
+
+cudaError_t launch_routes(cudaStream_t s, const int32_t* ids, const float* w, float* route,
+                          int32_t* dest, bool* in_rank, bool* first, int32_t* counts,
+                          int32_t* invalid, int64_t T, int K, int32_t E, int32_t n) {
+  // (sums: zeroed first, then every block adds its counts; memsets are stream work XLA can
+  // capture like the kernel)
+  cudaError_t z = cudaMemsetAsync(counts, 0, 2 * n * sizeof(int32_t), s);
+  if (z == cudaSuccess) z = cudaMemsetAsync(invalid, 0, sizeof(int32_t), s);
+  if (z != cudaSuccess || T == 0) return z;
+  const int64_t per = kRoutesThreads / K;
+  token_routes_kernel<<<static_cast<unsigned>((T + per - 1) / per), kRoutesThreads,
+                        (2 * n + kRoutesThreads) * sizeof(int32_t), s>>>(
+      ids, w, route, dest, in_rank, first, counts, invalid, T, K, E, n);
+  return cudaGetLastError();
+}
+
+ffi::Error TokenRoutes(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
+                       ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::Buffer<ffi::F32>> route,
+                       ffi::Result<ffi::Buffer<ffi::S32>> dest,
+                       ffi::Result<ffi::Buffer<ffi::PRED>> in_rank,
+                       ffi::Result<ffi::Buffer<ffi::PRED>> first,
+                       ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                       ffi::Result<ffi::Buffer<ffi::S32>> invalid, int64_t num_experts) {
+  const std::string where = "ep_comm rows token_routes: ";
+  const auto d = ids.dimensions();
+  if (d.size() != 2 || weights.dimensions().size() != 2 || weights.dimensions()[0] != d[0] ||
+      weights.dimensions()[1] != d[1]) {
+    return ffi::Error::InvalidArgument(where + "ids and weights must be (T, K) each");
+  }
+  const int64_t T = d[0], K = d[1], n = counts->element_count() / 2;
+  if (n < 1 || num_experts < n || num_experts % n != 0 || route->element_count() != 2 * T * K ||
+      dest->element_count() != T * K || first->element_count() != T * K ||
+      in_rank->element_count() != T * n || invalid->element_count() != 1 ||
+      K < 1 || K > kRoutesThreads || (2 * n + kRoutesThreads) * 4 > 48 * 1024 ||
+      num_experts > INT32_MAX) {
+    return ffi::Error::InvalidArgument(
+        where + "results must be route (T, 2K), dest (T, K), in_rank (T, n), first (T, K), "
+        "counts (2n,) and invalid (1,), with n dividing num_experts = " +
+        std::to_string(num_experts) + ", n <= 5631 and 1 <= K <= " +
+        std::to_string(kRoutesThreads));
+  }
+  const cudaError_t e = launch_routes(
+      stream, ids.typed_data(), weights.typed_data(), route->typed_data(), dest->typed_data(),
+      in_rank->typed_data(), first->typed_data(), counts->typed_data(), invalid->typed_data(), T,
+      static_cast<int>(K), static_cast<int32_t>(num_experts), static_cast<int32_t>(n));
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
 }
@@ -1410,12 +1528,73 @@ int64_t layout_selftest(cudaStream_t s, Next& next) {
   return wrong;
 }
 
+// token_routes on malformed ids (every int32 extreme, negative, past the experts, repeats) over
+// blocks of whole tokens with a last one cut short: dest, first and the counts against the host.
+template <typename Next>
+int64_t routes_selftest(cudaStream_t s, Next& next) {
+  const int32_t K = 8, E = 256, n = 8, L = E / n;
+  const int64_t T = 3 * (kRoutesThreads / K) + 5;
+  const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, E, E + 1000, -7};
+  std::vector<int32_t> ids(T * K);
+  for (int64_t i = 0; i < T * K; ++i) {
+    const uint32_t u = next() % 10;
+    ids[i] = u < 6 ? static_cast<int32_t>(next() % E)
+             : u < 8 && i % K ? ids[i - 1 - next() % (i % K)] : odd[next() % 6];
+  }
+  std::vector<float> w(T * K, 0.5f);
+  void *d_ids = nullptr, *d_w = nullptr, *d_route = nullptr, *d_ints = nullptr, *d_b = nullptr;
+  auto ok = [](cudaError_t e) { return e == cudaSuccess; };
+  const int64_t ints = T * K + 2 * n + 1;  // dest | counts | invalid
+  std::vector<int32_t> got(ints);
+  std::vector<uint8_t> flags(T * n + T * K);  // in_rank | first
+  int64_t wrong = -1;
+  if (ok(cudaMalloc(&d_ids, T * K * 4)) && ok(cudaMalloc(&d_w, T * K * 4)) &&
+      ok(cudaMalloc(&d_route, T * 2 * K * 4)) && ok(cudaMalloc(&d_ints, ints * 4)) &&
+      ok(cudaMalloc(&d_b, flags.size())) &&
+      ok(cudaMemcpy(d_ids, ids.data(), T * K * 4, cudaMemcpyHostToDevice)) &&
+      ok(cudaMemcpy(d_w, w.data(), T * K * 4, cudaMemcpyHostToDevice))) {
+    int32_t* p = static_cast<int32_t*>(d_ints);
+    bool* b = static_cast<bool*>(d_b);
+    if (ok(launch_routes(s, static_cast<const int32_t*>(d_ids), static_cast<const float*>(d_w),
+                         static_cast<float*>(d_route), p, b, b + T * n, p + T * K,
+                         p + T * K + 2 * n, T, K, E, n)) &&
+        ok(cudaStreamSynchronize(s)) &&
+        ok(cudaMemcpy(got.data(), d_ints, ints * 4, cudaMemcpyDeviceToHost)) &&
+        ok(cudaMemcpy(flags.data(), d_b, flags.size(), cudaMemcpyDeviceToHost))) {
+      std::vector<int64_t> want(2 * n + 1, 0);
+      wrong = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<bool> seen_rank(n, false);
+        for (int k = 0; k < K; ++k) {
+          const int32_t e = ids[t * K + k];
+          const bool valid = e >= 0 && e < E;
+          want[2 * n] += e != -1 && !valid;
+          const int32_t d = valid ? e / L : n;
+          const bool new_rank = valid && !seen_rank[d];
+          bool new_expert = valid;
+          for (int j = 0; j < k; ++j) new_expert &= ids[t * K + j] != e;
+          if (new_rank) seen_rank[d] = true, ++want[d];
+          if (new_expert) ++want[n + d];
+          wrong += got[t * K + k] != d;
+          wrong += flags[T * n + t * K + k] != (new_rank ? 1 : 0);
+        }
+        for (int32_t r = 0; r < n; ++r) wrong += flags[t * n + r] != (seen_rank[r] ? 1 : 0);
+      }
+      for (int32_t r = 0; r <= 2 * n; ++r) wrong += got[T * K + r] != want[r];
+    }
+  }
+  for (void* q : {d_ids, d_w, d_route, d_ints, d_b}) {
+    if (q) cudaFree(q);
+  }
+  return wrong;
+}
+
 // The kernels on malformed indices (every int32 extreme, negative, past the table), outside XLA,
 // so that compute-sanitizer can watch them without a JAX process: a gather of 7392-byte rows
 // (16-byte path), of 3-byte rows (byte path) and a weighted bf16 sum into float32. Returns the
 // number of wrong output values (defined rows against the table, zero rows), or -1 when CUDA
-// fails. Then the scatter (scatter_selftest), the counting sort (rank_selftest) and the layout
-// (layout_selftest).
+// fails. Then the scatter (scatter_selftest), the counting sort (rank_selftest), the layout
+// (layout_selftest) and the token routes (routes_selftest).
 int64_t selftest() {
   const int64_t N = 64, M = 300, K = 8, H = 3696;  // 7392-byte rows = H bf16
   std::vector<int32_t> idx(M), idx2(M * K);
@@ -1483,7 +1662,8 @@ int64_t selftest() {
     const int64_t w2 = scatter_selftest(s, d_table, N, H, next);
     const int64_t w3 = w2 < 0 ? -1 : rank_selftest(s, next);
     const int64_t w4 = w3 < 0 ? -1 : layout_selftest(s, next);
-    wrong = w2 < 0 || w3 < 0 || w4 < 0 ? -1 : wrong + w2 + w3 + w4;
+    const int64_t w5 = w4 < 0 ? -1 : routes_selftest(s, next);
+    wrong = w2 < 0 || w3 < 0 || w4 < 0 || w5 < 0 ? -1 : wrong + w2 + w3 + w4 + w5;
   }
   for (void* p : {d_table, d_out, d_idx, d_idx2, d_w, static_cast<void*>(d_sum)}) {
     if (p) cudaFree(p);
@@ -1571,6 +1751,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertLayout, ExpertLayout,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // scratch
                                   .Attr<int64_t>("zero_fill"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenRoutes, TokenRoutes,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // ids (T, K)
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights (T, K)
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // route (T, 2K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // dest (T, K)
+                                  .Ret<ffi::Buffer<ffi::PRED>>()   // in_rank (T, n)
+                                  .Ret<ffi::Buffer<ffi::PRED>>()   // first (T, K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // counts (2n,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // invalid (1,)
+                                  .Attr<int64_t>("num_experts"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -1589,5 +1782,6 @@ void* key_rank_handler() { return reinterpret_cast<void*>(kKeyRank); }
 void* expert_layout_handler() { return reinterpret_cast<void*>(kExpertLayout); }
 void* scatter_fake_quant_handler() { return reinterpret_cast<void*>(kScatterFakeQuant); }
 void* scatter_quant_handler() { return reinterpret_cast<void*>(kScatterQuant); }
+void* token_routes_handler() { return reinterpret_cast<void*>(kTokenRoutes); }
 
 }  // namespace ep_comm::rows

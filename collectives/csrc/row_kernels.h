@@ -15,6 +15,7 @@ void* key_rank_handler();    // XLA FFI handler ep_comm_rows_key_rank
 void* expert_layout_handler();  // XLA FFI handler ep_comm_rows_expert_layout
 void* scatter_fake_quant_handler();  // XLA FFI handler ep_comm_rows_scatter_fake_quant
 void* scatter_quant_handler();  // XLA FFI handler ep_comm_rows_scatter_quant
+void* token_routes_handler();  // XLA FFI handler ep_comm_rows_token_routes
 int64_t selftest();          // the kernels on malformed indices outside XLA: wrong values, or -1
 
 }  // namespace ep_comm::rows
