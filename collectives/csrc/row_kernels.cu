@@ -449,13 +449,14 @@ __device__ __forceinline__ int32_t local_expert(const LayoutArgs& a, int64_t i, 
   return gid >= 0 && gid / a.L == me ? gid % a.L : -1;
 }
 
-__global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a) {
+// One chunk of pairs (a block of kLayoutChunk threads): each pair's key and rank in the chunk.
+__device__ __forceinline__ void layout_count_chunk(const LayoutArgs& a, int64_t chunk) {
   extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 halo + chunk)
   const int32_t Kp = a.L + 1, halo = a.K - 1, recv = *a.num_recv, me = *a.me;
   int32_t* seen = smem;
   int32_t* ids = seen + Kp;
   const int t = threadIdx.x;
-  const int64_t m = a.rows * a.K, first = int64_t{blockIdx.x} * kLayoutChunk, i = first + t;
+  const int64_t m = a.rows * a.K, first = chunk * kLayoutChunk, i = first + t;
   for (int32_t k = t; k < Kp; k += kLayoutChunk) seen[k] = 0;
   ids[halo + t] = i < m ? local_expert(a, i, recv, me) : -1;
   if (t < halo) ids[t] = first - halo + t >= 0 ? local_expert(a, first - halo + t, recv, me) : -1;
@@ -495,7 +496,11 @@ __global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a
     a.in_chunk[i] = rank;
     a.first[i] = src;
   }
-  for (int32_t k = t; k < Kp; k += kLayoutChunk) a.counts[int64_t{k} * a.chunks + blockIdx.x] = seen[k];
+  for (int32_t k = t; k < Kp; k += kLayoutChunk) a.counts[int64_t{k} * a.chunks + chunk] = seen[k];
+}
+
+__global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a) {
+  layout_count_chunk(a, blockIdx.x);
 }
 
 // Exclusive scan of v over the block (1024 threads); *total: the block's sum.
@@ -527,6 +532,19 @@ __device__ __forceinline__ int32_t block_exclusive_scan(int32_t v, int32_t* warp
 
 // A tile index skewed by one word per 32 (thread t's eight consecutive entries hit eight banks).
 __device__ __forceinline__ int skew(int e) { return e + (e >> 5); }
+
+// From the scanned counts: the group sizes (capped at expert_x's rows) and the pair count.
+__device__ __forceinline__ void layout_sizes(const LayoutArgs& a) {
+  for (int32_t k = threadIdx.x; k <= a.L; k += blockDim.x) {
+    const int64_t start = a.counts[int64_t{k} * a.chunks];
+    if (k == a.L) {
+      *a.num_pairs = static_cast<int32_t>(start);  // pairs with an expert here
+    } else {
+      const int64_t room = min64(a.C - start, a.counts[int64_t{k + 1} * a.chunks] - start);
+      a.sizes[k] = static_cast<int32_t>(room > 0 ? room : 0);
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a) {
   __shared__ int32_t tile[kScanTile + kScanTile / 32];
@@ -562,15 +580,7 @@ __global__ void __launch_bounds__(kScanThreads) layout_scan_kernel(LayoutArgs a)
     carry += tile_total;
     __syncthreads();
   }
-  for (int32_t k = t; k <= a.L; k += kScanThreads) {  // (this block's writes: visible after sync)
-    const int64_t start = a.counts[int64_t{k} * a.chunks];
-    if (k == a.L) {
-      *a.num_pairs = static_cast<int32_t>(start);  // pairs with an expert here
-    } else {
-      const int64_t room = min64(a.C - start, a.counts[int64_t{k + 1} * a.chunks] - start);
-      a.sizes[k] = static_cast<int32_t>(room > 0 ? room : 0);
-    }
-  }
+  layout_sizes(a);  // (this block's writes: visible after the loop's last barrier)
 }
 
 // Expert row of pair i, a first slot (C: dropped, or past expert_x).
@@ -581,10 +591,9 @@ __device__ __forceinline__ int64_t layout_row(const LayoutArgs& a, int64_t i) {
   return pos >= 0 && pos < a.C ? pos : a.C;
 }
 
-__global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
+// Placement of pairs start, start + stride, ... (and of expert_token's tail and the fill list).
+__device__ __forceinline__ void layout_place(const LayoutArgs& a, int64_t start, int64_t stride) {
   const int64_t m = a.rows * a.K, filled = min64(*a.num_pairs, a.C);
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  const int64_t start = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   for (int64_t i = start; i < m; i += stride) {
     const int32_t src = a.first[i];
     const bool here = src >= 0 && src <= i;
@@ -602,12 +611,37 @@ __global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
   }
 }
 
+__global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
+  layout_place(a, int64_t{blockIdx.x} * blockDim.x + threadIdx.x, int64_t{gridDim.x} * blockDim.x);
+}
+
+// All three steps in one block when the pairs are one chunk and the keys fit the block (decode
+// sizes: one launch, not three). The block's global writes are visible to it after a barrier.
+__global__ void __launch_bounds__(kLayoutChunk) layout_one_chunk_kernel(LayoutArgs a) {
+  __shared__ int32_t warp_sums[32];
+  __shared__ int32_t total;
+  layout_count_chunk(a, 0);
+  __syncthreads();
+  const int t = threadIdx.x;
+  const int32_t c = t <= a.L ? a.counts[t] : 0;  // (one chunk: counts[k] is key k's)
+  const int32_t start = block_exclusive_scan(c, warp_sums, &total);
+  if (t <= a.L) a.counts[t] = start;
+  __syncthreads();
+  layout_sizes(a);
+  __syncthreads();
+  layout_place(a, t, blockDim.x);
+}
+
 size_t layout_count_smem(int32_t K, int32_t L) {
   return (int64_t{L} + K + kLayoutChunk) * sizeof(int32_t);
 }
 
 cudaError_t launch_layout(cudaStream_t s, const LayoutArgs& a) {
   const int64_t m = a.rows * a.K;
+  if (a.chunks == 1 && a.L < kLayoutChunk) {
+    layout_one_chunk_kernel<<<1, kLayoutChunk, layout_count_smem(a.K, a.L), s>>>(a);
+    return cudaGetLastError();
+  }
   if (a.chunks > 0) {
     layout_count_kernel<<<static_cast<unsigned>(a.chunks), kLayoutChunk,
                           layout_count_smem(a.K, a.L), s>>>(a);
@@ -736,6 +770,11 @@ token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ w
     }
   }
   const int bad = __syncthreads_count(live && e != -1 && !(e >= 0 && e < E));
+  if (gridDim.x == 1) {  // the only block: its counts are the sums (no memset was needed)
+    for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) counts[r] = cnt[r];
+    if (threadIdx.x == 0) *invalid = bad;
+    return;
+  }
   for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) {
     if (cnt[r]) atomicAdd(&counts[r], cnt[r]);
   }
@@ -745,13 +784,15 @@ token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ w
 cudaError_t launch_routes(cudaStream_t s, const int32_t* ids, const float* w, float* route,
                           int32_t* dest, bool* in_rank, bool* first, int32_t* counts,
                           int32_t* invalid, int64_t T, int K, int32_t E, int32_t n) {
-  // (sums: zeroed first, then every block adds its counts; memsets are stream work XLA can
-  // capture like the kernel)
-  cudaError_t z = cudaMemsetAsync(counts, 0, 2 * n * sizeof(int32_t), s);
-  if (z == cudaSuccess) z = cudaMemsetAsync(invalid, 0, sizeof(int32_t), s);
-  if (z != cudaSuccess || T == 0) return z;
-  const int64_t per = kRoutesThreads / K;
-  token_routes_kernel<<<static_cast<unsigned>((T + per - 1) / per), kRoutesThreads,
+  // (sums over several blocks: zeroed first, then every block adds its counts; memsets are
+  // stream work XLA can capture like the kernel. One block writes them: no memset)
+  const int64_t per = kRoutesThreads / K, blocks = (T + per - 1) / per;
+  if (blocks != 1) {
+    cudaError_t z = cudaMemsetAsync(counts, 0, 2 * n * sizeof(int32_t), s);
+    if (z == cudaSuccess) z = cudaMemsetAsync(invalid, 0, sizeof(int32_t), s);
+    if (z != cudaSuccess || T == 0) return z;
+  }
+  token_routes_kernel<<<static_cast<unsigned>(blocks), kRoutesThreads,
                         (2 * n + kRoutesThreads) * sizeof(int32_t), s>>>(
       ids, w, route, dest, in_rank, first, counts, invalid, T, K, E, n);
   return cudaGetLastError();
@@ -1463,8 +1504,8 @@ int64_t rank_selftest(cudaStream_t s, Next& next) {
 // garbage past num_recv): every index they write must stay in range and the groups must hold
 // each routed pair once. Returns the out-of-range values, or -1 when CUDA fails.
 template <typename Next>
-int64_t layout_selftest(cudaStream_t s, Next& next) {
-  const int64_t R = 3 * kLayoutChunk / 8 + 29, C = 500, F = 40;
+int64_t layout_selftest(cudaStream_t s, Next& next, int64_t R) {
+  const int64_t C = 500, F = 40;
   const int32_t K = 8, L = 13, me = 2, recv = static_cast<int32_t>(R - 11);
   const float odd[] = {NAN, INFINITY, -INFINITY, 3e9f, -2.0f, -1.0f, 1e30f};
   std::vector<float> route(R * 2 * K);
@@ -1531,9 +1572,8 @@ int64_t layout_selftest(cudaStream_t s, Next& next) {
 // token_routes on malformed ids (every int32 extreme, negative, past the experts, repeats) over
 // blocks of whole tokens with a last one cut short: dest, first and the counts against the host.
 template <typename Next>
-int64_t routes_selftest(cudaStream_t s, Next& next) {
+int64_t routes_selftest(cudaStream_t s, Next& next, int64_t T) {
   const int32_t K = 8, E = 256, n = 8, L = E / n;
-  const int64_t T = 3 * (kRoutesThreads / K) + 5;
   const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, E, E + 1000, -7};
   std::vector<int32_t> ids(T * K);
   for (int64_t i = 0; i < T * K; ++i) {
@@ -1661,9 +1701,17 @@ int64_t selftest() {
   if (wrong >= 0) {
     const int64_t w2 = scatter_selftest(s, d_table, N, H, next);
     const int64_t w3 = w2 < 0 ? -1 : rank_selftest(s, next);
-    const int64_t w4 = w3 < 0 ? -1 : layout_selftest(s, next);
-    const int64_t w5 = w4 < 0 ? -1 : routes_selftest(s, next);
-    wrong = w2 < 0 || w3 < 0 || w4 < 0 || w5 < 0 ? -1 : wrong + w2 + w3 + w4 + w5;
+    // (several chunks or blocks, a last one cut short; then one: the one-launch paths)
+    int64_t more = 0;
+    for (const int64_t r : {int64_t{3 * kLayoutChunk / 8 + 29}, int64_t{kLayoutChunk / 8 - 3}}) {
+      const int64_t w4 = more < 0 ? -1 : layout_selftest(s, next, r);
+      more = w4 < 0 ? -1 : more + w4;
+    }
+    for (const int64_t t : {int64_t{3 * (kRoutesThreads / 8) + 5}, int64_t{kRoutesThreads / 8 - 3}}) {
+      const int64_t w5 = more < 0 ? -1 : routes_selftest(s, next, t);
+      more = w5 < 0 ? -1 : more + w5;
+    }
+    wrong = w2 < 0 || w3 < 0 || more < 0 ? -1 : wrong + w2 + w3 + more;
   }
   for (void* p : {d_table, d_out, d_idx, d_idx2, d_w, static_cast<void*>(d_sum)}) {
     if (p) cudaFree(p);
