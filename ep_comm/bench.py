@@ -269,7 +269,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
             if profile and phase == "dispatch" and wire_format is None:
                 calls = 20
                 prog = in_program(cfg, mesh, calls)
-                extra.update(in_program_us=median_us(prog, fargs, 1, 5) / calls)
+                extra.update(in_program_us=median_us(prog, fargs, 2, iters) / calls)
                 prog_kern, prog_top = kernel_us(prog, fargs, trace_dir + "_in_program", calls=1,
                                                 top=12)
                 if prog_kern > 0:  # (per dispatch: the program holds ``calls``)

@@ -20,8 +20,8 @@ visible after the exchange. All-zero blocks round-trip to exact zeros. Subnormal
 (``|x| < 2**-126``) count as (signed) zero, no scale of a nonzero block is below ``2**-126``, and a
 dequantized float32 product below ``2**-126`` is (signed) zero: no step depends on whether a
 platform flushes subnormals (every platform sends the same bytes and delivers the same values;
-one exception seen: XLA's GPU compiler rounded exact ties of float16 rows to the odd neighbour on
-the H200, where the row kernels and the CPU lowering round to even).
+one exception seen: XLA's GPU compiler rounded exact e4m3 ties of float16 and float32 rows to the
+odd neighbour on the H200, where the row kernels and the CPU lowering round to even).
 
 Error bound per element (``tests/test_wire.py`` asserts it), ``s`` the block's scale: a value
 with ``|x| >= s * 2**-6`` (an e4m3 normal once scaled) is off by at most ``2**-4 * |x|`` (half a unit

@@ -449,8 +449,15 @@ __device__ __forceinline__ int32_t local_expert(const LayoutArgs& a, int64_t i, 
   return gid >= 0 && gid / a.L == me ? gid % a.L : -1;
 }
 
-// One chunk of pairs (a block of kLayoutChunk threads): each pair's key and rank in the chunk.
-__device__ __forceinline__ void layout_count_chunk(const LayoutArgs& a, int64_t chunk) {
+// One chunk of pairs (a block of kLayoutChunk threads, thread t: pair chunk * kLayoutChunk + t):
+// the pair's key (its local expert if it is its row's first slot with it, L: another slot's or no
+// expert here, L + 1: no pair), its rank among the chunk's pairs with that key, and the index of
+// its row's first slot with its expert (-1: none); seen[k]: the chunk's pairs with key k.
+struct PairCount {
+  int32_t key, rank, src;
+};
+
+__device__ __forceinline__ PairCount layout_count_chunk(const LayoutArgs& a, int64_t chunk) {
   extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 halo + chunk)
   const int32_t Kp = a.L + 1, halo = a.K - 1, recv = *a.num_recv, me = *a.me;
   int32_t* seen = smem;
@@ -491,16 +498,21 @@ __device__ __forceinline__ void layout_count_chunk(const LayoutArgs& a, int64_t 
   }
   const int32_t rank = before + __popc(peers & ((1u << lane) - 1u));
   __syncthreads();
-  if (i < m) {
-    a.keys[i] = key;
-    a.in_chunk[i] = rank;
-    a.first[i] = src;
-  }
-  for (int32_t k = t; k < Kp; k += kLayoutChunk) a.counts[int64_t{k} * a.chunks + chunk] = seen[k];
+  return PairCount{key, rank, src};
 }
 
 __global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a) {
-  layout_count_chunk(a, blockIdx.x);
+  extern __shared__ int32_t smem[];  // (seen: layout_count_chunk's)
+  const PairCount c = layout_count_chunk(a, blockIdx.x);
+  const int64_t i = int64_t{blockIdx.x} * kLayoutChunk + threadIdx.x;
+  if (i < a.rows * a.K) {
+    a.keys[i] = c.key;
+    a.in_chunk[i] = c.rank;
+    a.first[i] = c.src;
+  }
+  for (int32_t k = threadIdx.x; k <= a.L; k += kLayoutChunk) {
+    a.counts[int64_t{k} * a.chunks + blockIdx.x] = smem[k];
+  }
 }
 
 // Exclusive scan of v over the block (1024 threads); *total: the block's sum.
@@ -591,18 +603,20 @@ __device__ __forceinline__ int64_t layout_row(const LayoutArgs& a, int64_t i) {
   return pos >= 0 && pos < a.C ? pos : a.C;
 }
 
-// Placement of pairs start, start + stride, ... (and of expert_token's tail and the fill list).
-__device__ __forceinline__ void layout_place(const LayoutArgs& a, int64_t start, int64_t stride) {
-  const int64_t m = a.rows * a.K, filled = min64(*a.num_pairs, a.C);
-  for (int64_t i = start; i < m; i += stride) {
-    const int32_t src = a.first[i];
-    const bool here = src >= 0 && src <= i;
-    const int64_t pos = here ? layout_row(a, src) : a.C;
-    a.recv_pos[i] = static_cast<int32_t>(pos);
-    a.targets[i] = static_cast<int32_t>(src == i ? pos : a.C);
-    a.recv_w[i] = here ? a.route[(i / a.K) * 2 * a.K + i % a.K] : 0.0f;
-    if (src == i && pos < a.C) a.expert_token[pos] = static_cast<int32_t>(i / a.K);
-  }
+// Pair i's results: pos, the expert row of its row's first slot with its expert (C: none, or
+// past expert_x), src that slot's pair index, w its weight here.
+__device__ __forceinline__ void layout_put(const LayoutArgs& a, int64_t i, int32_t src,
+                                           int64_t pos, float w) {
+  a.recv_pos[i] = static_cast<int32_t>(pos);
+  a.targets[i] = static_cast<int32_t>(src == i ? pos : a.C);
+  a.recv_w[i] = w;
+  if (src == i && pos < a.C) a.expert_token[pos] = static_cast<int32_t>(i / a.K);
+}
+
+// expert_token past the filled rows (the row past the tokens) and the fill list, from start by
+// stride.
+__device__ __forceinline__ void layout_tail(const LayoutArgs& a, int64_t filled, int64_t start,
+                                            int64_t stride) {
   for (int64_t q = filled + start; q < a.C; q += stride) {
     a.expert_token[q] = static_cast<int32_t>(a.rows);
   }
@@ -611,25 +625,53 @@ __device__ __forceinline__ void layout_place(const LayoutArgs& a, int64_t start,
   }
 }
 
+// Placement of pairs start, start + stride, ... (and of expert_token's tail and the fill list).
+__device__ __forceinline__ void layout_place(const LayoutArgs& a, int64_t start, int64_t stride) {
+  const int64_t m = a.rows * a.K, filled = min64(*a.num_pairs, a.C);
+  for (int64_t i = start; i < m; i += stride) {
+    const int32_t src = a.first[i];
+    const bool here = src >= 0 && src <= i;
+    layout_put(a, i, src, here ? layout_row(a, src) : a.C,
+               here ? a.route[(i / a.K) * 2 * a.K + i % a.K] : 0.0f);
+  }
+  layout_tail(a, filled, start, stride);
+}
+
 __global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
   layout_place(a, int64_t{blockIdx.x} * blockDim.x + threadIdx.x, int64_t{gridDim.x} * blockDim.x);
 }
 
 // All three steps in one block when the pairs are one chunk and the keys fit the block (decode
-// sizes: one launch, not three). The block's global writes are visible to it after a barrier.
+// sizes: one launch, not three): the pairs' keys, ranks and first slots and the scanned counts
+// stay in shared memory (the scratch output is not written).
 __global__ void __launch_bounds__(kLayoutChunk) layout_one_chunk_kernel(LayoutArgs a) {
-  __shared__ int32_t warp_sums[32];
-  __shared__ int32_t total;
-  layout_count_chunk(a, 0);
-  __syncthreads();
+  extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 + chunk): layout_count_chunk's
+  __shared__ int32_t key[kLayoutChunk], start[kLayoutChunk + 1], warp_sums[32], total;
   const int t = threadIdx.x;
-  const int32_t c = t <= a.L ? a.counts[t] : 0;  // (one chunk: counts[k] is key k's)
-  const int32_t start = block_exclusive_scan(c, warp_sums, &total);
-  if (t <= a.L) a.counts[t] = start;
+  const int64_t m = a.rows * a.K, i = t;
+  const float w = i < m ? a.route[(i / a.K) * 2 * a.K + i % a.K] : 0.0f;  // (in flight early)
+  const PairCount c = layout_count_chunk(a, 0);
+  // key k's first expert row: the exclusive scan of the counts (a pair's row: its key's start
+  // plus its rank, kept in place of the key)
+  const int32_t n_k = t <= a.L ? smem[t] : 0;
+  const int32_t first_row = block_exclusive_scan(n_k, warp_sums, &total);
+  if (t <= a.L) start[t] = first_row;
   __syncthreads();
-  layout_sizes(a);
+  key[t] = c.key < a.L ? start[c.key] + c.rank : -1;  // the pair's expert row if it has one
+  const int64_t num_pairs = start[a.L];
+  const int64_t filled = min64(num_pairs, a.C);
+  if (t < a.L) {
+    const int64_t room = min64(a.C - start[t], int64_t{start[t + 1]} - start[t]);
+    a.sizes[t] = static_cast<int32_t>(room > 0 ? room : 0);
+  }
+  if (t == 0) *a.num_pairs = static_cast<int32_t>(num_pairs);
   __syncthreads();
-  layout_place(a, t, blockDim.x);
+  if (i < m) {
+    const bool here = c.src >= 0 && c.src <= i;
+    const int64_t row = here ? key[c.src] : -1;
+    layout_put(a, i, c.src, row >= 0 && row < a.C ? row : a.C, here ? w : 0.0f);
+  }
+  layout_tail(a, filled, t, kLayoutChunk);
 }
 
 size_t layout_count_smem(int32_t K, int32_t L) {
