@@ -28,6 +28,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from collectives import barrier
+
 
 def slot_rows(operand_rows: int, output_rows: int, max_segment_rows: int | None = None) -> int:
     """Rows per segment slot of the padded exchange."""
@@ -53,10 +55,12 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
     ``max_segment_rows``: a static bound on every segment's size that the caller guarantees (e.g.
     dispatch: a rank sends each token at most once to a peer, so at most ``T`` rows); it shrinks
-    the slots and so the padding. Rows of a segment past the bound are not sent. ``label`` and
-    ``tag`` (native-engine diagnostics) are accepted for a uniform signature and unused.
+    the slots and so the padding. Rows of a segment past the bound are not sent. ``label`` names
+    the operation at the barrier in front of the exchange between CPU processes
+    (:mod:`collectives.barrier`); ``tag`` (native-engine diagnostics) is accepted for a uniform
+    signature and unused.
     """
-    del label, tag
+    del tag
     num_segments = input_offsets.shape[0]
     n_rows_in, n_rows_out = operand.shape[0], output.shape[0]
     slot = slot_rows(n_rows_in, n_rows_out, max_segment_rows)
@@ -76,7 +80,9 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     packed = packed.reshape(num_segments, slot, *operand.shape[1:])
     packed = jnp.where(_broadcast_rows(valid, packed), packed, jnp.zeros((), packed.dtype))
 
-    # 2. exchange slots and the receiver-frame offsets.
+    # 2. exchange slots and the receiver-frame offsets (between CPU processes, once every process
+    # arrived: XLA's collectives there wait forever for a peer that never comes).
+    packed, output_offsets = barrier.admit(label or "ragged_all_to_all", packed, output_offsets)
     received = lax.all_to_all(packed, axis_name, 0, 0, tiled=True,
                               axis_index_groups=axis_index_groups)
     recv_offsets = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True,

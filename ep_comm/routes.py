@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ep_comm.layout import repeats_earlier
 from ep_comm.ragged import _ragged_all_to_all
 import collectives
-from collectives import row_kernels
+from collectives import barrier, row_kernels
 from ep_comm.rows import gather_rows
 from topology.jax_compat import match_vma
 from topology.machine import LINK_CLASSES
@@ -146,11 +146,11 @@ def exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse=False):
 def gather_counts(cfg, v, what):
     """``lax.all_gather(v, cfg.axis_name)`` of a small int32 vector: ``(n, len(v))``, identical on
     every rank. With the mpi transport it goes through the engine's own exchange instead, so that
-    it joins that transport's chain of exchanges and its timeout: an XLA collective (gloo on CPU)
-    has neither, and waits forever for a peer that never comes."""
+    it joins that transport's chain of exchanges and its timeout; otherwise it is an XLA
+    collective, behind :mod:`collectives.barrier` between CPU processes (gloo has no timeout)."""
     v = v.astype(jnp.int32)
     if collectives.resolve(cfg.backend, caller=what)[0] != "mpi":
-        return jax.lax.all_gather(v, cfg.axis_name)
+        return jax.lax.all_gather(barrier.admit(f"{what} (counts)", v)[0], cfg.axis_name)
     n, m = cfg.num_ranks, v.shape[0]
     me = jax.lax.axis_index(cfg.axis_name)
     i32 = jnp.int32

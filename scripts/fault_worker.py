@@ -59,7 +59,10 @@ def call(k):
     try:
         jax.block_until_ready(round_trip(xs, idss, ws))
     except Exception as e:  # the diagnostic the survivors must get
-        msg = " ".join(str(e).split())[:600]
+        msg = " ".join(str(e).split())
+        if "Traceback" in msg and "ep_comm barrier:" in msg:  # a host callback's error: its line
+            msg = msg[msg.rindex("ep_comm barrier:"):]
+        msg = msg[:600]
         print(f"DIAG {time.monotonic() - t0:.1f} rank {rank}: call {k}: {type(e).__name__}: {msg}",
               flush=True)
         os._exit(2)

@@ -1,7 +1,8 @@
 """Fault injection, bounded (the full matrix is ``python scripts/faults.py``): under ``mpirun`` with
 the mpi transport, a rank that makes one call fewer and a rank that stalls between the metadata and
 the payload leave the survivors with a diagnostic naming the operation and the peer within the
-timeout (plus start-up), never a hang."""
+timeout (plus start-up), never a hang; with the portable transport, a rank that makes one call
+fewer leaves them the barrier's diagnostic (``collectives.barrier``)."""
 
 import importlib.util
 import os
@@ -32,3 +33,19 @@ def test_survivors_get_a_diagnostic_within_the_timeout(fault):
     assert r["diag_s"] <= timeout + 10, r
     assert r["names_operation"] and r["names_peer"], r["message"]
     assert "DEADLINE_EXCEEDED" in r["message"] and "timed out after 5" in r["message"], r["message"]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None
+                    or os.environ.get("OMPI_COMM_WORLD_SIZE") is not None,
+                    reason="needs mpirun, outside mpirun")
+def test_portable_barrier_ends_a_hang_with_a_diagnostic():
+    """The portable transport's collectives (gloo) have no timeout: a peer that stays alive and
+    never joins used to hang the others; the barrier in front of them fails the survivors' call
+    with the operation and the peer."""
+    timeout = 5.0
+    r = faults.run_one("portable", 2, "one_call_fewer", timeout, startup=60.0)
+    assert r["outcome"] == "diagnostic", r
+    assert timeout <= r["diag_s"] <= timeout + 10, r
+    assert r["names_operation"] and r["names_peer"], r["message"]
+    assert ("ep_comm barrier: dispatch (counts) (call 2) on process 0: peer process(es) 1 did not "
+            "arrive within EP_COMM_TIMEOUT_S=5 s") in r["message"], r["message"]

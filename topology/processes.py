@@ -128,7 +128,7 @@ def process_allgather(payload: dict, how: str | None = None,
                            "call ep_comm.distributed.initialize() or set EP_COMM_BOOTSTRAP=mpi")
     prefix = f"ep_comm/bootstrap/{generation}"  # the same in every process: calls are collective
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(payload))
-    timeout_ms = int(float(os.environ.get("EP_COMM_TIMEOUT_S", "300")) * 1000)
+    timeout_ms = int(timeout_s() * 1000)
     out = []
     for p in range(jax.process_count()):
         try:
@@ -153,3 +153,8 @@ def to_host(array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def timeout_s() -> float:
+    """``EP_COMM_TIMEOUT_S`` (default 300): how long a process waits for its peers."""
+    return float(os.environ.get("EP_COMM_TIMEOUT_S", "300"))

@@ -1,0 +1,142 @@
+"""A timed barrier in front of XLA's own collectives between CPU processes, which wait forever.
+
+XLA:CPU's cross-process collectives (gloo) have no timeout: a peer that stays alive but never
+joins a collective (it skipped a call, raised before it, or stalls) leaves every other process
+blocked in it for good, and no thread can unblock it. So the portable transport's exchanges, and
+dispatch's gather of the traffic counts on it, first pass :func:`admit`: a host callback in which
+every process waits at a barrier of the ``jax.distributed`` coordination service, for at most
+``EP_COMM_TIMEOUT_S`` seconds (default 300). Only when every process arrived does the collective
+start; a process that does not arrive in time fails the program on the others with an error that
+names the operation, the call and the missing processes. Nothing stays armed behind a program
+that fails (no deadline, no thread): the barrier is part of the program.
+
+Each (operation, call) is one use of a barrier named after the operation (the service counts the
+uses, so the barriers do not pile up): every process makes the same calls in the same order, as
+SPMD programs do. Several CPU devices of one process pass it together: the first to arrive waits
+at the barrier for all of them.
+
+Active between several processes on CPU (``EP_COMM_BARRIER=0`` turns it off); elsewhere
+:func:`admit` returns its operands. It guards the forward pass: the collectives XLA derives for a
+backward pass (transposes) run in the same program after it, unguarded. A peer that dies inside
+a collective is gloo's to report (it fails on the closed connection).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+import re
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from topology.jax_compat import distributed_client
+from topology.processes import timeout_s
+
+_PREFIX = "ep_comm/barrier"
+
+_lock = threading.Lock()
+_uses: collections.Counter = collections.Counter()  # callbacks per operation in this process
+_open: dict = {}  # (label, call) -> _Call: the barrier a local device is waiting at
+
+
+@dataclasses.dataclass
+class _Call:
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: str | None = None
+    waiting: int = 0  # the local devices still to collect the outcome
+
+
+def active() -> bool:
+    """Whether :func:`admit` waits at the barrier here: several processes on CPU."""
+    return (os.environ.get("EP_COMM_BARRIER", "1") != "0" and jax.process_count() > 1
+            and jax.default_backend() == "cpu")
+
+
+def admit(label: str, *operands):
+    """``operands``, once every process arrived here for this call of ``label`` (see the
+    module); a collective on them then starts with every peer present. An identity for
+    differentiation."""
+    if not active():
+        return operands
+    return _admitted(label, operands)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _admitted(label, operands):
+    dep = jnp.concatenate([jnp.ravel(o)[:1].astype(jnp.float32) for o in operands])
+    call = io_callback(functools.partial(_arrive, label), jax.ShapeDtypeStruct((), jnp.int32),
+                       dep)
+    # the operands through a select on the call's number (always >= 1, which XLA cannot know):
+    # a data dependence that survives to the schedule, so the collective runs after the barrier
+    # (an optimization barrier's ordering ends before XLA schedules; the select fuses into the
+    # operands' producers)
+    admitted = call >= 0
+    return tuple(jnp.where(admitted, o, jnp.zeros((), o.dtype)) for o in operands)
+
+
+@_admitted.defjvp
+def _admitted_jvp(label, primals, tangents):
+    return _admitted(label, *primals), tangents[0]
+
+
+def _arrive(label: str, _dep) -> np.int32:
+    ndev = max(1, jax.local_device_count())
+    with _lock:
+        call = _uses[label] // ndev + 1
+        _uses[label] += 1
+        entry = _open.get((label, call))
+        first = entry is None
+        if first:
+            entry = _open[(label, call)] = _Call(waiting=ndev)
+        entry.waiting -= 1
+        if entry.waiting == 0:
+            del _open[(label, call)]
+    if first:
+        entry.error = _wait(label, call)
+        entry.done.set()
+    else:
+        entry.done.wait()
+    if entry.error:
+        raise RuntimeError(entry.error)
+    return np.int32(call)
+
+
+def _wait(label: str, call: int) -> str | None:
+    """Wait at the barrier; None once every process arrived, else the diagnostic."""
+    client = distributed_client()
+    if client is None:
+        return None  # (one process: nothing to wait for)
+    limit = timeout_s()
+    try:
+        client.wait_at_barrier(f"{_PREFIX}/{label}", int(limit * 1000))
+        return None
+    except Exception as e:  # noqa: BLE001  (the coordination service's error, as text)
+        return diagnostic(label, call, limit, str(e))
+
+
+def missing_processes(message: str) -> list[int] | None:
+    """The processes a coordination-service barrier error names as not arrived (its "timed out
+    task names": bare indices, or ``.../task:N`` names), or None when it names none."""
+    parts = message.split("timed out task names:", 1)
+    if len(parts) < 2:
+        return None
+    names = parts[1].split("RPC:")[0]
+    found = re.findall(r"task:(\d+)", names) or re.findall(r"^\s*(\d+)\s*$", names, re.M)
+    return sorted({int(t) for t in found}) or None
+
+
+def diagnostic(label: str, call: int, limit: float, message: str) -> str:
+    missing = missing_processes(message)
+    who = (f"peer process(es) {', '.join(map(str, missing))} did not arrive" if missing
+           else "not every process arrived (the coordination service did not say which)")
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    return (f"ep_comm barrier: {label} (call {call}) on process {jax.process_index()}: {who} "
+            f"within EP_COMM_TIMEOUT_S={limit:g} s (a process that skipped this call, raised "
+            f"before it, stalls or died); XLA's CPU collectives have no timeout, so every process "
+            f"must arrive here first. Coordination service: {first}")

@@ -1,0 +1,72 @@
+"""The timed barrier in front of XLA's CPU collectives between processes (collectives.barrier):
+its diagnostics, and, under mpirun, that it passes values and gradients through, counts one call
+per program whatever the devices per process, and orders the collective after it. A peer that
+never arrives: tests/test_faults.py (a real mpirun job with one rank skipping a call)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from collectives import barrier
+from conftest import AXIS
+
+_SERVICE_ERROR = (
+    "DEADLINE_EXCEEDED: Barrier timed out. Id: ep_comm/barrier/dispatch (counts)::1. This usually "
+    "happens because a task triggered the barrier too early or too slowly.\n# of tasks that "
+    "reached the barrier: 2/4.\nThe first task at the barrier: 0. Some timed out task names:\n1\n"
+    "3\n\n\nRPC: /xla.coordination.CoordinationService/Barrier [type.googleapis.com/tensorflow."
+    "CoordinationServiceError='']")
+
+
+def test_missing_processes_from_the_service_error():
+    assert barrier.missing_processes(_SERVICE_ERROR) == [1, 3]
+    assert barrier.missing_processes(
+        "Some timed out task names: /job:jax_worker/replica:0/task:2") == [2]
+    assert barrier.missing_processes("UNAVAILABLE: the service is gone") is None
+
+
+def test_diagnostic_names_operation_call_and_peers():
+    msg = barrier.diagnostic("combine", 7, 10.0, _SERVICE_ERROR)
+    assert msg.startswith(f"ep_comm barrier: combine (call 7) on process {jax.process_index()}: "
+                          "peer process(es) 1, 3 did not arrive within EP_COMM_TIMEOUT_S=10 s"), msg
+    assert "Coordination service: DEADLINE_EXCEEDED: Barrier timed out." in msg, msg
+    msg = barrier.diagnostic("combine", 7, 10.0, "UNAVAILABLE: gone")
+    assert "not every process arrived (the coordination service did not say which)" in msg, msg
+
+
+def test_inactive_in_one_process_or_off(monkeypatch):
+    monkeypatch.setenv("EP_COMM_BARRIER", "0")
+    assert not barrier.active()
+    x = jnp.arange(3.0)
+    assert barrier.admit("x", x)[0] is x
+
+
+@pytest.mark.multiprocess
+def test_values_gradient_and_order_between_processes(sharded, n, rng):
+    """Between processes the barrier sits in the program (one host callback per device and call),
+    every process's call number advances by one per program run, and the collective behind it is
+    scheduled after it (a data dependence XLA keeps)."""
+    if not barrier.active():
+        pytest.skip("the barrier is active between CPU processes only")
+    x = rng.standard_normal((n * 2, 3)).astype(np.float32)
+
+    def body(v):  # every shard: all of x, gathered behind the barrier
+        (a,) = barrier.admit("test gather", v)
+        return jax.lax.all_gather(a, AXIS, tiled=True)[None]
+
+    f = sharded.smap(body)
+    xs = sharded.put(x)
+    before = barrier._uses["test gather"]
+    for _ in range(3):
+        np.testing.assert_array_equal(sharded.get(f(xs)), np.broadcast_to(x, (n,) + x.shape))
+    assert barrier._uses["test gather"] - before == 3 * jax.local_device_count()
+    g = sharded.smap(jax.grad(lambda v: jnp.sum(barrier.admit("test grad", v)[0] ** 2)))
+    np.testing.assert_allclose(sharded.get(g(xs)), 2 * x, rtol=1e-6)
+    hlo = f.lower(xs).compile().as_text()
+    order = [m.group(0) for m in re.finditer(r"xla_ffi_python_cpu_callback|all-gather\(", hlo)]
+    assert order[:1] == ["xla_ffi_python_cpu_callback"] and "all-gather(" in order, order
