@@ -10,10 +10,12 @@ start; a process that does not arrive in time fails the program on the others wi
 names the operation, the call and the missing processes. Nothing stays armed behind a program
 that fails (no deadline, no thread): the barrier is part of the program.
 
-Each (operation, call) is one use of a barrier named after the operation (the service counts the
-uses, so the barriers do not pile up): every process makes the same calls in the same order, as
-SPMD programs do. Several CPU devices of one process pass it together: the first to arrive waits
-at the barrier for all of them.
+Every call is one use of one barrier (the service counts the uses, so the barriers do not pile
+up), and a process uses it one call at a time: its k-th use meets every other process's k-th.
+Every process makes the same calls, as SPMD programs do, but XLA may run independent calls of one
+program concurrently and in another order on another process (a function and its tangent's
+exchange); uses of one shared barrier, taken in turn, match whatever the order. Several CPU devices
+of one process pass it together: the first to arrive waits at the barrier for all of them.
 
 Active between several processes on CPU (``EP_COMM_BARRIER=0`` turns it off); elsewhere
 :func:`admit` returns its operands. It guards the forward pass: the collectives XLA derives for a
@@ -41,6 +43,7 @@ from topology.processes import timeout_s
 _PREFIX = "ep_comm/barrier"
 
 _lock = threading.Lock()
+_turn = threading.Lock()  # one use of the barrier at a time in this process
 _uses: collections.Counter = collections.Counter()  # callbacks per operation in this process
 _open: dict = {}  # (label, call) -> _Call: the barrier a local device is waiting at
 
@@ -114,7 +117,8 @@ def _wait(label: str, call: int) -> str | None:
         return None  # (one process: nothing to wait for)
     limit = timeout_s()
     try:
-        client.wait_at_barrier(f"{_PREFIX}/{label}", int(limit * 1000))
+        with _turn:
+            client.wait_at_barrier(_PREFIX, int(limit * 1000))
         return None
     except Exception as e:  # noqa: BLE001  (the coordination service's error, as text)
         return diagnostic(label, call, limit, str(e))

@@ -25,8 +25,11 @@ received (token, expert) pair, combine the reverse; the busiest rank's count); w
 ``kern`` is the GPU kernel time per call summed from a JAX profiler trace and ``wall/kern`` the
 pipelined time over it (what is not kernel time: launch gaps, host work, waits); for dispatch
 ``prog`` is its time inside a jitted program of 20 dispatches (:func:`in_program`: a model step's
-view, without the per-call jit dispatch and handle outputs a standalone call pays on the host) and
-``prog/kern`` that time over the kernel time per dispatch in the same program's trace. With
+view, without the per-call jit dispatch and handle outputs a standalone call pays on the host),
+each program waited for (its launch and wait round trip shared by its 20 dispatches), ``prog/kern``
+that time over the kernel time per dispatch in the same program's trace, and ``progpipe`` the
+same program issued back to back and waited for once (``pipe``'s loop: a training or decode loop's
+view, where the host enqueues the next step while the device runs this one). With
 ``--wire-formats``, ``q`` rows time dispatch with ``return_quantized=True`` (FP8 values and
 scales for an FP8 grouped GEMM, no dequantize).
 
@@ -269,7 +272,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
             if profile and phase == "dispatch" and wire_format is None:
                 calls = 20
                 prog = in_program(cfg, mesh, calls)
-                extra.update(in_program_us=median_us(prog, fargs, 2, iters) / calls)
+                extra.update(in_program_us=median_us(prog, fargs, 2, iters) / calls,
+                             in_program_pipelined_us=pipelined_us(prog, fargs, 2, iters) / calls)
                 prog_kern, prog_top = kernel_us(prog, fargs, trace_dir + "_in_program", calls=1,
                                                 top=12)
                 if prog_kern > 0:  # (per dispatch: the program holds ``calls``)
@@ -328,7 +332,7 @@ def table(report) -> str:
     cols = f"{'impl':<23}{'plan':<13}{'phase':<11}{'time(us)':>11}{'algbw':>8}{'busbw':>8}" \
            f"{'#wrong':>9}{'dropped':>8}{'payload':>11}{'wire':>11}{'pad':>6}{'buffers':>11}" \
            f"{'net':>11}{'model':>9}{'pipe(us)':>10}{'copy':>7}{'kern(us)':>10}{'wall/kern':>10}" \
-           f"{'prog(us)':>10}{'prog/kern':>10}"
+           f"{'prog(us)':>10}{'prog/kern':>10}{'progpipe':>10}"
     lines = [head + cols]
     for r in report["results"]:
         net = f"{r['network_bytes_max'] / 2**20:>9.2f}MB" if "network_bytes_max" in r else \
@@ -340,6 +344,8 @@ def table(report) -> str:
             else f"{'-':>10}{'-':>10}") + (
             f"{r['in_program_us']:>10.1f}" if "in_program_us" in r else f"{'-':>10}") + (
             f"{r['in_program_over_kernel']:>9.2f}x" if "in_program_over_kernel" in r
+            else f"{'-':>10}") + (
+            f"{r['in_program_pipelined_us']:>10.1f}" if "in_program_pipelined_us" in r
             else f"{'-':>10}")
         lines.append(f"{r['impl']:<23}{r['plan']:<13}{r['phase']:<11}{r['time_us']:>11.1f}"
                      f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['wrong']:>9d}"

@@ -1,5 +1,6 @@
 """A dispatch's time inside a jitted program of 20 dispatches (``ep_comm.bench.in_program``), in a
-fresh process: three medians, and the program's kernels per dispatch from a profiler trace.
+fresh process: three medians each of the program waited for and of programs issued back to back,
+and the program's kernels per dispatch from a profiler trace.
 
     python scripts/in_program.py [--tokens 128] [--repeats 3] [--iters 10]
 
@@ -17,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-from collectives.timing import median_us
+from collectives.timing import median_us, pipelined_us
 from ep_comm.bench import in_program, kernel_us, make_routing
 
 CALLS = 20
@@ -41,9 +42,12 @@ def main():
                            backend=args.backend)
     prog = in_program(cfg, mesh, CALLS)
     us = [median_us(prog, fargs, 2, args.iters) / CALLS for _ in range(args.repeats)]
+    piped = [pipelined_us(prog, fargs, 2, args.iters) / CALLS for _ in range(args.repeats)]
     kern, top = kernel_us(prog, fargs, "/tmp/ep_in_program_trace", calls=1, top=10)
-    print(f"T={T}: {', '.join(f'{u:.1f}' for u in us)} us per dispatch in a program "
-          f"({args.repeats} medians of {args.iters}); kernels {kern / CALLS:.1f} us")
+    print(f"T={T}: us per dispatch in a program of {CALLS}: each program waited for "
+          f"{', '.join(f'{u:.1f}' for u in us)}; programs back to back "
+          f"{', '.join(f'{u:.1f}' for u in piped)} ({args.repeats} medians of {args.iters}); "
+          f"kernels {kern / CALLS:.1f} us")
     for name, u, c in top:
         print(f"  {u / CALLS:7.2f} us x{c / CALLS:.2f}  {name}")
 

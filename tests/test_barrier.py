@@ -16,7 +16,7 @@ from collectives import barrier
 from conftest import AXIS
 
 _SERVICE_ERROR = (
-    "DEADLINE_EXCEEDED: Barrier timed out. Id: ep_comm/barrier/dispatch (counts)::1. This usually "
+    "DEADLINE_EXCEEDED: Barrier timed out. Id: ep_comm/barrier::41. This usually "
     "happens because a task triggered the barrier too early or too slowly.\n# of tasks that "
     "reached the barrier: 2/4.\nThe first task at the barrier: 0. Some timed out task names:\n1\n"
     "3\n\n\nRPC: /xla.coordination.CoordinationService/Barrier [type.googleapis.com/tensorflow."
