@@ -125,7 +125,7 @@ def register_targets(name: str) -> None:
         elif name == "rows":
             for op in ("gather", "gather_sum", "empty", "scatter", "scatter_dequant",
                        "key_count", "key_rank", "expert_layout", "scatter_fake_quant",
-                       "scatter_quant", "token_routes"):
+                       "scatter_quant", "token_routes", "local_layout"):
                 # the row kernels launch shape-determined work and never wait on the host:
                 # XLA may put them in its CUDA graphs (one launch for many kernels)
                 jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),

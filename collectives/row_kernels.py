@@ -458,10 +458,15 @@ def _token_routes_jvp(primals, tangents, **params):
     tangent_out = [_zero_tangent(o) for o in out]
     t = tangents[1]
     if type(t) is not ad.Zero:
-        ids = primals[0]
-        valid = (ids >= 0) & (ids < params["num_experts"])
-        tangent_out[0] = jnp.concatenate([jnp.where(valid, t, 0.0), jnp.zeros_like(t)], axis=1)
+        tangent_out[0] = _route_tangent(primals[0], t, params["num_experts"])[0]
     return out, tangent_out
+
+
+def _route_tangent(ids, t, num_experts):
+    """``route``'s tangent (the weights' where the slot is valid, zero ids) and the valid
+    slots' weight tangent alone."""
+    valid_t = jnp.where((ids >= 0) & (ids < num_experts), t, 0.0)
+    return jnp.concatenate([valid_t, jnp.zeros_like(t)], axis=1), valid_t
 
 
 token_routes_p = _primitive(
@@ -611,6 +616,83 @@ def _expert_layout_jvp(primals, tangents, **params):
 
 
 ad.primitive_jvps[expert_layout_p] = _expert_layout_jvp
+
+
+# --- local_layout (one rank: token routes and expert layout in one launch) ------------------------
+
+def local_layout_fits(tokens: int, topk: int, num_experts: int) -> bool:
+    """Whether :func:`local_layout`'s one launch applies: one block of pairs and of experts."""
+    return 1 <= topk and tokens * topk <= LAYOUT_CHUNK and num_experts < LAYOUT_CHUNK
+
+
+def local_layout(topk_ids, topk_weights, *, num_experts: int, rows: int, fill_rows: int = 0,
+                 zero_fill: bool = False) -> tuple[TokenRoutes, ExpertLayout]:
+    """One rank's :func:`token_routes` and the :func:`expert_layout` of their ``route`` (every
+    token row received, rank 0) in one launch on GPUs: dispatch at one rank and decode sizes
+    (:func:`local_layout_fits`), where each launch is a good part of the time. Elsewhere, and as
+    the reference, the two ops' XLA references. Returns ``(TokenRoutes, ExpertLayout)``, equal to
+    the two ops'."""
+    ids = jnp.asarray(topk_ids)
+    w = jnp.asarray(topk_weights)
+    if (ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or w.shape != ids.shape
+            or not jnp.issubdtype(w.dtype, jnp.floating)):
+        raise ValueError(f"row_kernels.local_layout: topk_ids must be integer (T, K) and "
+                         f"topk_weights floating of the same shape, got {ids.dtype} "
+                         f"{tuple(ids.shape)} and {w.dtype} {tuple(w.shape)}")
+    T, K = ids.shape
+    if not local_layout_fits(T, K, int(num_experts)) or rows < 0 or fill_rows < 0:
+        raise ValueError(f"row_kernels.local_layout: needs T * K <= {LAYOUT_CHUNK}, num_experts < "
+                         f"{LAYOUT_CHUNK} and rows, fill_rows >= 0, got T={T}, K={K}, "
+                         f"num_experts={num_experts}, rows={rows}, fill_rows={fill_rows}")
+    ids, w = _same_vma(ids.astype(jnp.int32), w.astype(jnp.float32))
+    out = local_layout_p.bind(ids, w, num_experts=int(num_experts), rows=int(rows),
+                              fill_rows=int(rows if zero_fill else min(fill_rows, rows)),
+                              zero_fill=bool(zero_fill), kernel=_want_kernels())
+    route, dest, in_rank, first, counts, invalid = out[:6]
+    recv_pos, targets, recv_w, expert_token, sizes, num_pairs, fill = out[6:]
+    return (TokenRoutes(route, dest, in_rank, first, counts[:1], counts[1:], invalid[0]),
+            ExpertLayout(recv_pos, targets, recv_w, expert_token, sizes, num_pairs[0], fill))
+
+
+def _local_layout_reference(ids, w, *, num_experts, rows, fill_rows, zero_fill, kernel=None):
+    del kernel
+    routes = _token_routes_reference(ids, w, num_experts=num_experts, num_ranks=1)
+    i32 = jnp.int32
+    lay = _expert_layout_reference(routes[0], jnp.full((1,), ids.shape[0], i32),
+                                   jnp.zeros((1,), i32), experts=num_experts, rows=rows,
+                                   fill_rows=fill_rows, zero_fill=zero_fill)
+    return routes + lay[:7]  # (not the layout kernels' scratch)
+
+
+def _local_layout_abstract(ids, w, *, num_experts, rows, fill_rows, zero_fill, kernel):
+    T, K = ids.shape
+    routes = _token_routes_abstract(ids, w, num_experts=num_experts, num_ranks=1, kernel=kernel)
+    lay = _expert_layout_abstract(routes[0], ids.update(shape=(1,), weak_type=False),
+                                  ids.update(shape=(1,), weak_type=False), experts=num_experts,
+                                  rows=rows, fill_rows=fill_rows, zero_fill=zero_fill,
+                                  kernel=kernel)
+    return routes + lay[:7]
+
+
+def _local_layout_jvp(primals, tangents, **params):
+    """Only the weights are differentiable: ``route``'s weight columns and ``recv_weights``,
+    each a masked copy (the two ops' rules)."""
+    out = local_layout_p.bind(*primals, **params)
+    tangent_out = [_zero_tangent(o) for o in out]
+    t = tangents[1]
+    if type(t) is not ad.Zero:  # (one rank: every valid slot is here)
+        tangent_out[0], tangent_out[8] = _route_tangent(primals[0], t, params["num_experts"])
+    return out, tangent_out
+
+
+local_layout_p = _primitive(
+    "ep_comm_rows_local_layout", _local_layout_reference, _local_layout_abstract,
+    ("num_experts", "rows", "fill_rows", "zero_fill", "kernel"),
+    ffi_attrs=lambda *, zero_fill, **_: dict(zero_fill=np.int64(zero_fill)),
+    kernel_fits=lambda ctx, *, num_experts, **_: local_layout_fits(
+        *ctx.avals_in[0].shape, num_experts),
+    multiple_results=True)
+ad.primitive_jvps[local_layout_p] = _local_layout_jvp
 
 
 # --- gather_sum -----------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class Expanded:
 
 
 def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
-           split_at=None, round_trip=False) -> Expanded:
+           split_at=None, round_trip=False, layout=None) -> Expanded:
     """Rows of ``route``'s receive buffer (the first ``num_recv`` in the flat order are used) into
     ``expert_x``: rows ordered by local expert, then (source rank, source token, k); the rows past
     ``sum(group_sizes)``: the first :data:`ZERO_TAIL_ROWS` zero, the others unspecified (zero with
@@ -52,7 +52,9 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     ``(values, scales)`` bytes, each written apart; ``round_trip``: the buffer holds unquantized
     rows (one rank, no wire) and ``expert_x`` what the FP8 wire would deliver (its values, or
     with ``split_at`` its bytes), quantized on the way in one pass. Pairs past
-    ``cfg.expert_rows`` are dropped (counted by dispatch)."""
+    ``cfg.expert_rows`` are dropped (counted by dispatch). ``layout``: the buffer's
+    :class:`~collectives.row_kernels.ExpertLayout` when the caller has it already (one rank:
+    ``row_kernels.local_layout``)."""
     R, C, L = cfg.recv_token_rows, cfg.expert_rows, cfg.experts_per_rank
     buf_x, buf_route, flat_to_buf = route.x, route.route, route.flat_to_buf
     # routing in the flat order (source rank, source token); flat_to_buf: the receive-buffer row
@@ -61,8 +63,9 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
         buf_route, jnp.minimum(flat_to_buf, R - 1), axis=0)
     # groups contiguous per local expert (stable: source rank, token, k); a token that lists one
     # expert twice gets one row, both slots point at it (weights add up in combine)
-    lay = row_kernels.expert_layout(row_route, num_recv, me, experts=L, rows=C,
-                                    fill_rows=ZERO_TAIL_ROWS, zero_fill=cfg.zero_fill)
+    lay = layout if layout is not None else row_kernels.expert_layout(
+        row_route, num_recv, me, experts=L, rows=C, fill_rows=ZERO_TAIL_ROWS,
+        zero_fill=cfg.zero_fill)
     recv_pos, recv_w, targets = lay.recv_pos, lay.recv_weights, lay.targets
     if flat_to_buf is not None:  # combine reads the receive buffer in its own (stage-2) order
         buf_rows = jnp.where(jnp.arange(R) < num_recv, flat_to_buf, R)

@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from collectives import row_kernels
 from collectives.native import rows_covered
 from ep_comm import plan as plans
 from ep_comm.config import EPConfig
-from ep_comm.expand import expand, expert_rows_read
+from ep_comm.expand import ZERO_TAIL_ROWS, expand, expert_rows_read
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids, token_routes
 from ep_comm import wire
@@ -113,8 +114,15 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     me = lax.axis_index(ax)
 
     # 1. layout of this rank's tokens (one kernel on GPUs): their routing rows, destination
-    # ranks and per-rank counts.
-    tr = token_routes(topk_ids, topk_weights, cfg.placement)
+    # ranks and per-rank counts. One rank at decode sizes: with the expert layout of step 4 in
+    # the same launch.
+    local = is_local(cfg, plan.kind)
+    if local and row_kernels.local_layout_fits(T, K, cfg.num_experts):
+        tr, layout = row_kernels.local_layout(
+            topk_ids, topk_weights, num_experts=cfg.num_experts, rows=cfg.expert_rows,
+            fill_rows=ZERO_TAIL_ROWS, zero_fill=cfg.zero_fill)
+    else:
+        tr, layout = token_routes(topk_ids, topk_weights, cfg.placement), None
     dest = tr.dest
     hierarchical = plan.kind == "hierarchical"
     if hierarchical:
@@ -136,7 +144,6 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     route = tr.route
     # the token rows as they cross the wire: x itself, or FP8 values and scales as bytes (with
     # no wire, one rank, expand quantizes x's rows as it places them: no wire rows exist)
-    local = is_local(cfg, plan.kind)
     round_trip = local and cfg.wire_format is not None
     rows = x if cfg.wire_format is None or round_trip else wire.pack_rows(x, cfg.wire_format)
     if hierarchical:
@@ -154,7 +161,8 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     # (a local route's buffer holds every token: all its rows count, those without an expert
     # here carry none)
     ex = expand(cfg, moved, R if local else num_recv, me, dequantize_to,
-                split_at=x.shape[1] if return_quantized else None, round_trip=round_trip)
+                split_at=x.shape[1] if return_quantized else None, round_trip=round_trip,
+                layout=layout)
     sent = link_rows(plan, moved.legs, me)  # per link class, dispatch and combine
     expected = jnp.sum(pairs[:, me])
     handle = EPHandle(

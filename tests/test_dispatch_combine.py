@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ep_comm
+from collectives import row_kernels
 from conftest import ALL_BACKENDS, backend_skip_reason, needs_backend
 from moe_reference import Reference, dense_moe, routing
 
@@ -160,6 +161,9 @@ def test_one_rank_skips_the_exchange(rng, kind, capacity):
     text = str(jax.make_jaxpr(program)(*one.put(x, ids, w, W, cot)))
     # an exchange receives into a fresh row_kernels.empty buffer
     assert ("ep_comm_rows_empty" in text) == (capacity is not None), "exchange present or not"
+    # (decode sizes: the token routes and the expert layout in one op)
+    one_op = capacity is None and row_kernels.local_layout_fits(T, cfg.topk, E)
+    assert ("ep_comm_rows_local_layout" in text) == one_op, "one-op layout or not"
     ex, h, y, gx, gw, gW = one.get(program(*one.put(x, ids, w, W, cot)))
     ref = Reference(ids, 1, E, T, cfg.expert_rows, cfg.recv_token_rows)
     np.testing.assert_array_equal(ex.reshape(1, cfg.expert_rows, H), ref.expert_x(x))

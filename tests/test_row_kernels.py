@@ -425,6 +425,55 @@ def test_token_routes_gradient_and_errors():
         row_kernels.token_routes(w, w, num_experts=16, num_ranks=4)
 
 
+LOCAL_CASES = [(1, 1, 1, 1, False), (37, 8, 256, 300, False), (128, 8, 256, 1024, False),
+               (100, 6, 33, 50, True), (170, 6, 1023, 2000, False)]  # T, K, E, C, zero_fill
+
+
+def _local_pair(T, K, E, C, zero_fill):
+    """``(local_layout, token_routes then expert_layout)`` on a routing with repeats and malformed
+    ids, as flat tuples."""
+    ids, w = _routes_case(T, K, E, 1)
+
+    def one(i, v):
+        tr, lay = row_kernels.local_layout(i, v, num_experts=E, rows=C, fill_rows=256,
+                                           zero_fill=zero_fill)
+        return dataclasses.astuple(tr) + dataclasses.astuple(lay)
+
+    def two(i, v):
+        tr = row_kernels.token_routes(i, v, num_experts=E, num_ranks=1)
+        lay = row_kernels.expert_layout(tr.route, T, 0, experts=E, rows=C, fill_rows=256,
+                                        zero_fill=zero_fill)
+        return dataclasses.astuple(tr) + dataclasses.astuple(lay)
+
+    return one, two, ids, w
+
+
+@pytest.mark.parametrize("case", LOCAL_CASES)
+def test_local_layout_is_routes_then_layout(case):
+    """One rank's one-launch layout equals the token routes and the expert layout of their route,
+    values and the weights' gradients."""
+    one, two, ids, w = _local_pair(*case)
+    for g, v in zip(jax.jit(one)(ids, w), jax.jit(two)(ids, w)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+    T, K = ids.shape
+    c = np.random.default_rng(T).standard_normal((T, 3 * K)).astype(np.float32)
+    loss = lambda f: lambda v: jnp.sum(  # noqa: E731  (route's weights and recv_weights)
+        jnp.concatenate([f(ids, v)[0], f(ids, v)[8]], axis=1) * c)
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss(one))(w)),
+                                  np.asarray(jax.grad(loss(two))(w)))
+
+
+def test_local_layout_errors():
+    ids, w = _routes_case(200, 8, 16, 1)
+    with pytest.raises(ValueError, match=r"row_kernels.local_layout: needs T \* K <= 1024, "
+                       r"num_experts < 1024 and rows, fill_rows >= 0, got T=200, K=8, "
+                       r"num_experts=16, rows=10, fill_rows=0"):
+        row_kernels.local_layout(ids, w, num_experts=16, rows=10)
+    with pytest.raises(ValueError, match=r"row_kernels.local_layout: topk_ids must be integer "
+                       r"\(T, K\) and topk_weights floating of the same shape, got float32"):
+        row_kernels.local_layout(w, w, num_experts=16, rows=10)
+
+
 def test_expert_x_zero_fill_option():
     """``EPConfig(zero_fill=True)``: every row past the groups is zero (the default leaves all
     but the first ZERO_TAIL_ROWS unspecified)."""
@@ -726,6 +775,17 @@ def test_token_routes_kernel_bitwise(case):
         i, v, num_experts=E, num_ranks=n)), ids, w)
     for g, v in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+
+
+@gpu_only
+@pytest.mark.parametrize("case", LOCAL_CASES)
+def test_local_layout_kernel_bitwise(case):
+    """The one-launch kernel against the XLA reference and against the two ops' kernels."""
+    one, two, ids, w = _local_pair(*case)
+    got, want = _both(one, ids, w)
+    for g, v, k in zip(got, want, jax.jit(two)(ids, w)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(k))
 
 
 def _synthetic_route(rng, n, L, K, T, H, plan, dtype=jnp.bfloat16):

@@ -28,6 +28,8 @@
 //                            counting sort (dispatch's expert-major layout, no radix sort).
 //   ep_comm_rows_token_routes  dispatch's sender-side layout in one kernel: each token's routing
 //                            row, destination ranks and the per-rank counts.
+//   ep_comm_rows_local_layout  one rank's token routes and expert layout in one launch (decode
+//                            sizes: T K <= 1024 and fewer than 1024 experts).
 //   ep_comm_rows_expert_layout  dispatch's receive-side layout in three kernels: the counting
 //                            sort of the received (row, expert) pairs into expert-major rows and
 //                            every index the expand and the handle need (see below).
@@ -457,9 +459,10 @@ struct PairCount {
   int32_t key, rank, src;
 };
 
-__device__ __forceinline__ PairCount layout_count_chunk(const LayoutArgs& a, int64_t chunk) {
+__device__ __forceinline__ PairCount layout_count_chunk(const LayoutArgs& a, int64_t chunk,
+                                                      int32_t recv, int32_t me) {
   extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 halo + chunk)
-  const int32_t Kp = a.L + 1, halo = a.K - 1, recv = *a.num_recv, me = *a.me;
+  const int32_t Kp = a.L + 1, halo = a.K - 1;
   int32_t* seen = smem;
   int32_t* ids = seen + Kp;
   const int t = threadIdx.x;
@@ -503,7 +506,7 @@ __device__ __forceinline__ PairCount layout_count_chunk(const LayoutArgs& a, int
 
 __global__ void __launch_bounds__(kLayoutChunk) layout_count_kernel(LayoutArgs a) {
   extern __shared__ int32_t smem[];  // (seen: layout_count_chunk's)
-  const PairCount c = layout_count_chunk(a, blockIdx.x);
+  const PairCount c = layout_count_chunk(a, blockIdx.x, *a.num_recv, *a.me);
   const int64_t i = int64_t{blockIdx.x} * kLayoutChunk + threadIdx.x;
   if (i < a.rows * a.K) {
     a.keys[i] = c.key;
@@ -644,13 +647,13 @@ __global__ void __launch_bounds__(kThreads) layout_place_kernel(LayoutArgs a) {
 // All three steps in one block when the pairs are one chunk and the keys fit the block (decode
 // sizes: one launch, not three): the pairs' keys, ranks and first slots and the scanned counts
 // stay in shared memory (the scratch output is not written).
-__global__ void __launch_bounds__(kLayoutChunk) layout_one_chunk_kernel(LayoutArgs a) {
+__device__ __forceinline__ void layout_one_chunk(const LayoutArgs& a, int32_t recv, int32_t me) {
   extern __shared__ int32_t smem[];  // seen (L + 1) | ids (K - 1 + chunk): layout_count_chunk's
   __shared__ int32_t key[kLayoutChunk], start[kLayoutChunk + 1], warp_sums[32], total;
   const int t = threadIdx.x;
   const int64_t m = a.rows * a.K, i = t;
   const float w = i < m ? a.route[(i / a.K) * 2 * a.K + i % a.K] : 0.0f;  // (in flight early)
-  const PairCount c = layout_count_chunk(a, 0);
+  const PairCount c = layout_count_chunk(a, 0, recv, me);
   // key k's first expert row: the exclusive scan of the counts (a pair's row: its key's start
   // plus its rank, kept in place of the key)
   const int32_t n_k = t <= a.L ? smem[t] : 0;
@@ -674,6 +677,10 @@ __global__ void __launch_bounds__(kLayoutChunk) layout_one_chunk_kernel(LayoutAr
   layout_tail(a, filled, t, kLayoutChunk);
 }
 
+__global__ void __launch_bounds__(kLayoutChunk) layout_one_chunk_kernel(LayoutArgs a) {
+  layout_one_chunk(a, *a.num_recv, *a.me);
+}
+
 size_t layout_count_smem(int32_t K, int32_t L) {
   return (int64_t{L} + K + kLayoutChunk) * sizeof(int32_t);
 }
@@ -693,16 +700,47 @@ cudaError_t launch_layout(cudaStream_t s, const LayoutArgs& a) {
   return cudaGetLastError();
 }
 
+using S32Result = ffi::Result<ffi::Buffer<ffi::S32>>;
+using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
+
+// The layout's results (R rows of K slots) into `a`, checked; the scratch is the caller's.
+ffi::Error layout_results(const std::string& where, int64_t R, int64_t K, S32Result& recv_pos,
+                          S32Result& targets, F32Result& recv_w, S32Result& expert_token,
+                          S32Result& sizes, S32Result& num_pairs, S32Result& fill,
+                          int64_t zero_fill, LayoutArgs& a) {
+  a.rows = R;
+  a.K = static_cast<int32_t>(K);
+  const int64_t m = R * K;
+  a.C = expert_token->element_count();
+  a.L = static_cast<int32_t>(sizes->element_count());
+  a.F = fill->element_count();
+  a.chunks = layout_chunks(m);
+  if (a.L < 1 || num_pairs->element_count() != 1 || K > kLayoutChunk ||
+      layout_count_smem(a.K, a.L) > 48 * 1024 || recv_pos->element_count() != m ||
+      targets->element_count() != m || recv_w->element_count() != m || a.C > INT32_MAX ||
+      m > INT32_MAX) {
+    return ffi::Error::InvalidArgument(
+        where + "results must be recv_pos, targets, recv_w (R, K), expert_token (C,), sizes "
+        "(L,), num_pairs (1,) and fill (F,) for R K = " + std::to_string(m) + ", with K <= " +
+        std::to_string(kLayoutChunk) + " and L + K + " + std::to_string(kLayoutChunk) +
+        " <= 12288");
+  }
+  a.recv_pos = recv_pos->typed_data();
+  a.targets = targets->typed_data();
+  a.recv_w = recv_w->typed_data();
+  a.expert_token = expert_token->typed_data();
+  a.sizes = sizes->typed_data();
+  a.num_pairs = num_pairs->typed_data();
+  a.fill = fill->typed_data();
+  a.zero_fill = zero_fill != 0;
+  return ffi::Error::Success();
+}
+
 ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
                         ffi::Buffer<ffi::S32> num_recv, ffi::Buffer<ffi::S32> me,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_pos,
-                        ffi::Result<ffi::Buffer<ffi::S32>> targets,
-                        ffi::Result<ffi::Buffer<ffi::F32>> recv_w,
-                        ffi::Result<ffi::Buffer<ffi::S32>> expert_token,
-                        ffi::Result<ffi::Buffer<ffi::S32>> sizes,
-                        ffi::Result<ffi::Buffer<ffi::S32>> num_pairs,
-                        ffi::Result<ffi::Buffer<ffi::S32>> fill,
-                        ffi::Result<ffi::Buffer<ffi::S32>> scratch, int64_t zero_fill) {
+                        S32Result recv_pos, S32Result targets, F32Result recv_w,
+                        S32Result expert_token, S32Result sizes, S32Result num_pairs,
+                        S32Result fill, S32Result scratch, int64_t zero_fill) {
   const std::string where = "ep_comm rows expert_layout: ";
   const auto rd = route.dimensions();
   if (rd.size() != 2 || rd[1] % 2 != 0 || rd[1] == 0 || num_recv.element_count() != 1 ||
@@ -711,40 +749,22 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
                                        "me one value each");
   }
   LayoutArgs a{};
-  a.rows = rd[0];
-  a.K = static_cast<int32_t>(rd[1] / 2);
+  ffi::Error err = layout_results(where, rd[0], rd[1] / 2, recv_pos, targets, recv_w,
+                                  expert_token, sizes, num_pairs, fill, zero_fill, a);
+  if (err.failure()) return err;
   const int64_t m = a.rows * a.K;
-  a.C = expert_token->element_count();
-  a.L = static_cast<int32_t>(sizes->element_count());
-  a.F = fill->element_count();
-  a.chunks = layout_chunks(m);
-  const int64_t Kp = int64_t{a.L} + 1;
-  if (a.L < 1 || num_pairs->element_count() != 1 || a.K > kLayoutChunk || layout_count_smem(a.K, a.L) > 48 * 1024 ||
-      recv_pos->element_count() != m || targets->element_count() != m ||
-      recv_w->element_count() != m || scratch->element_count() != 3 * m + Kp * a.chunks ||
-      a.C > INT32_MAX || m > INT32_MAX) {
-    return ffi::Error::InvalidArgument(
-        where + "results must be recv_pos, targets, recv_w (R, K), expert_token (C,), sizes "
-        "(L,), num_pairs (1,), fill (F,) and scratch (3 M + (L + 1) ceil(M / " +
-        std::to_string(kLayoutChunk) + "),) for M = R K = " + std::to_string(m) +
-        ", with K <= " + std::to_string(kLayoutChunk) + " and L + K + " +
-        std::to_string(kLayoutChunk) + " <= 12288");
+  if (scratch->element_count() != 3 * m + (int64_t{a.L} + 1) * a.chunks) {
+    return ffi::Error::InvalidArgument(where + "scratch must be (3 M + (L + 1) ceil(M / " +
+                                       std::to_string(kLayoutChunk) + "),) for M = R K = " +
+                                       std::to_string(m));
   }
   a.route = route.typed_data();
   a.num_recv = num_recv.typed_data();
   a.me = me.typed_data();
-  a.recv_pos = recv_pos->typed_data();
-  a.targets = targets->typed_data();
-  a.recv_w = recv_w->typed_data();
-  a.expert_token = expert_token->typed_data();
-  a.sizes = sizes->typed_data();
-  a.num_pairs = num_pairs->typed_data();
-  a.fill = fill->typed_data();
   a.keys = scratch->typed_data();
   a.in_chunk = a.keys + m;
   a.first = a.in_chunk + m;
   a.counts = a.first + m;
-  a.zero_fill = zero_fill != 0;
   const cudaError_t e = launch_layout(stream, a);
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
@@ -760,29 +780,43 @@ ffi::Error ExpertLayout(cudaStream_t stream, ffi::Buffer<ffi::F32> route,
 
 constexpr int kRoutesThreads = 1024;
 
-__global__ void __launch_bounds__(kRoutesThreads)
-token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights,
-                    float* __restrict__ route, int32_t* __restrict__ dest, bool* __restrict__ in_rank,
-                    bool* __restrict__ first, int32_t* __restrict__ counts,
-                    int32_t* __restrict__ invalid, int64_t T, int K, int32_t E, int32_t n) {
-  // a block per chunk of whole tokens, a thread per slot: one load round trip, the token's
-  // earlier slots from shared memory; the block's counts in shared memory, then added to the
-  // (zeroed) global ones
+struct RoutesArgs {
+  const int32_t* ids;  // (T, K)
+  const float* w;      // (T, K)
+  float* route;        // (T, 2K)
+  int32_t* dest;       // (T, K)
+  bool* in_rank;       // (T, n)
+  bool* first;         // (T, K)
+  int32_t* counts;     // (2n,)
+  int32_t* invalid;    // (1,)
+  int64_t T;
+  int K;
+  int32_t E, n;
+};
+
+// Block `block` of the token routes (tokens [block * per, (block + 1) * per), per = kRoutesThreads
+// / K; thread s: slot s % K of token s / K); `only`: the only block, which writes the counts
+// instead of adding them to zeroed sums.
+__device__ __forceinline__ void token_routes_block(const RoutesArgs& r, int64_t block, bool only) {
+  // one load round trip, the token's earlier slots from shared memory; the block's counts in
+  // shared memory, then added to the (zeroed) global ones
   extern __shared__ int32_t smem[];  // tokens (n) | pairs (n) | chunk's ids
+  const int32_t E = r.E, n = r.n;
+  const int K = r.K;
   int32_t* cnt = smem;
   int32_t* sid = smem + 2 * n;
-  for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) cnt[r] = 0;
+  for (int32_t q = threadIdx.x; q < 2 * n; q += blockDim.x) cnt[q] = 0;
   const int32_t L = E / n;
   const int64_t per = kRoutesThreads / K, slots = per * K;  // whole tokens per chunk
-  const int64_t t0 = int64_t{blockIdx.x} * per;
+  const int64_t t0 = block * per;
   const int s = threadIdx.x;
   const int64_t t = t0 + s / K, i = t * K + s % K;
-  const bool live = s < slots && t < T;
-  const int32_t e = live ? ids[i] : -1;
-  const float w = live ? weights[i] : 0.0f;
+  const bool live = s < slots && t < r.T;
+  const int32_t e = live ? r.ids[i] : -1;
+  const float w = live ? r.w[i] : 0.0f;
   sid[s] = e;
   for (int64_t j = s; j < per * n; j += blockDim.x) {  // this chunk's tokens: no rank yet
-    if (t0 + j / n < T) in_rank[(t0 + j / n) * n + j % n] = false;
+    if (t0 + j / n < r.T) r.in_rank[(t0 + j / n) * n + j % n] = false;
   }
   __syncthreads();
   const int k = s % K;
@@ -795,11 +829,11 @@ token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ w
     new_rank &= !(f >= 0 && f < E && f / L == d);
   }
   if (live) {
-    route[t * 2 * K + k] = valid ? w : 0.0f;
-    route[t * 2 * K + K + k] = valid ? static_cast<float>(e) : -1.0f;
-    dest[i] = d;
-    first[i] = new_rank;
-    if (new_rank) in_rank[t * n + d] = true;
+    r.route[t * 2 * K + k] = valid ? w : 0.0f;
+    r.route[t * 2 * K + K + k] = valid ? static_cast<float>(e) : -1.0f;
+    r.dest[i] = d;
+    r.first[i] = new_rank;
+    if (new_rank) r.in_rank[t * n + d] = true;
   }
   // warp-aggregated shared counts (with one rank every slot adds to the same counter): the
   // lanes of one key elect a leader that adds their number; every thread takes part
@@ -812,42 +846,43 @@ token_routes_kernel(const int32_t* __restrict__ ids, const float* __restrict__ w
     }
   }
   const int bad = __syncthreads_count(live && e != -1 && !(e >= 0 && e < E));
-  if (gridDim.x == 1) {  // the only block: its counts are the sums (no memset was needed)
-    for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) counts[r] = cnt[r];
-    if (threadIdx.x == 0) *invalid = bad;
+  if (only) {  // its counts are the sums (no memset was needed)
+    for (int32_t q = threadIdx.x; q < 2 * n; q += blockDim.x) r.counts[q] = cnt[q];
+    if (threadIdx.x == 0) *r.invalid = bad;
     return;
   }
-  for (int32_t r = threadIdx.x; r < 2 * n; r += blockDim.x) {
-    if (cnt[r]) atomicAdd(&counts[r], cnt[r]);
+  for (int32_t q = threadIdx.x; q < 2 * n; q += blockDim.x) {
+    if (cnt[q]) atomicAdd(&r.counts[q], cnt[q]);
   }
-  if (threadIdx.x == 0 && bad) atomicAdd(invalid, bad);
+  if (threadIdx.x == 0 && bad) atomicAdd(r.invalid, bad);
 }
 
-cudaError_t launch_routes(cudaStream_t s, const int32_t* ids, const float* w, float* route,
-                          int32_t* dest, bool* in_rank, bool* first, int32_t* counts,
-                          int32_t* invalid, int64_t T, int K, int32_t E, int32_t n) {
+__global__ void __launch_bounds__(kRoutesThreads) token_routes_kernel(RoutesArgs r) {
+  token_routes_block(r, blockIdx.x, gridDim.x == 1);
+}
+
+size_t routes_smem(int32_t n) { return (2 * int64_t{n} + kRoutesThreads) * sizeof(int32_t); }
+
+cudaError_t launch_routes(cudaStream_t s, const RoutesArgs& r) {
   // (sums over several blocks: zeroed first, then every block adds its counts; memsets are
   // stream work XLA can capture like the kernel. One block writes them: no memset)
-  const int64_t per = kRoutesThreads / K, blocks = (T + per - 1) / per;
+  const int64_t per = kRoutesThreads / r.K, blocks = (r.T + per - 1) / per;
   if (blocks != 1) {
-    cudaError_t z = cudaMemsetAsync(counts, 0, 2 * n * sizeof(int32_t), s);
-    if (z == cudaSuccess) z = cudaMemsetAsync(invalid, 0, sizeof(int32_t), s);
-    if (z != cudaSuccess || T == 0) return z;
+    cudaError_t z = cudaMemsetAsync(r.counts, 0, 2 * r.n * sizeof(int32_t), s);
+    if (z == cudaSuccess) z = cudaMemsetAsync(r.invalid, 0, sizeof(int32_t), s);
+    if (z != cudaSuccess || r.T == 0) return z;
   }
-  token_routes_kernel<<<static_cast<unsigned>(blocks), kRoutesThreads,
-                        (2 * n + kRoutesThreads) * sizeof(int32_t), s>>>(
-      ids, w, route, dest, in_rank, first, counts, invalid, T, K, E, n);
+  token_routes_kernel<<<static_cast<unsigned>(blocks), kRoutesThreads, routes_smem(r.n), s>>>(r);
   return cudaGetLastError();
 }
 
-ffi::Error TokenRoutes(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
-                       ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::Buffer<ffi::F32>> route,
-                       ffi::Result<ffi::Buffer<ffi::S32>> dest,
-                       ffi::Result<ffi::Buffer<ffi::PRED>> in_rank,
-                       ffi::Result<ffi::Buffer<ffi::PRED>> first,
-                       ffi::Result<ffi::Buffer<ffi::S32>> counts,
-                       ffi::Result<ffi::Buffer<ffi::S32>> invalid, int64_t num_experts) {
-  const std::string where = "ep_comm rows token_routes: ";
+using PredResult = ffi::Result<ffi::Buffer<ffi::PRED>>;
+
+// The token routes' operands and results into `r`, checked (n ranks: counts' length / 2).
+ffi::Error routes_args(const std::string& where, ffi::Buffer<ffi::S32>& ids,
+                       ffi::Buffer<ffi::F32>& weights, F32Result& route, S32Result& dest,
+                       PredResult& in_rank, PredResult& first, S32Result& counts,
+                       S32Result& invalid, int64_t num_experts, RoutesArgs& r) {
   const auto d = ids.dimensions();
   if (d.size() != 2 || weights.dimensions().size() != 2 || weights.dimensions()[0] != d[0] ||
       weights.dimensions()[1] != d[1]) {
@@ -865,10 +900,71 @@ ffi::Error TokenRoutes(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
         std::to_string(num_experts) + ", n <= 5631 and 1 <= K <= " +
         std::to_string(kRoutesThreads));
   }
-  const cudaError_t e = launch_routes(
-      stream, ids.typed_data(), weights.typed_data(), route->typed_data(), dest->typed_data(),
-      in_rank->typed_data(), first->typed_data(), counts->typed_data(), invalid->typed_data(), T,
-      static_cast<int>(K), static_cast<int32_t>(num_experts), static_cast<int32_t>(n));
+  r = RoutesArgs{ids.typed_data(), weights.typed_data(), route->typed_data(), dest->typed_data(),
+                 in_rank->typed_data(), first->typed_data(), counts->typed_data(),
+                 invalid->typed_data(), T, static_cast<int>(K),
+                 static_cast<int32_t>(num_experts), static_cast<int32_t>(n)};
+  return ffi::Error::Success();
+}
+
+ffi::Error TokenRoutes(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
+                       ffi::Buffer<ffi::F32> weights, F32Result route, S32Result dest,
+                       PredResult in_rank, PredResult first, S32Result counts,
+                       S32Result invalid, int64_t num_experts) {
+  const std::string where = "ep_comm rows token_routes: ";
+  RoutesArgs r{};
+  ffi::Error err = routes_args(where, ids, weights, route, dest, in_rank, first, counts, invalid,
+                               num_experts, r);
+  if (err.failure()) return err;
+  const cudaError_t e = launch_routes(stream, r);
+  if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
+  return ffi::Error::Success();
+}
+
+// ---- local_layout: one rank's token routes and expert layout in one block ----------------------
+// With one rank (no exchange: the receive buffer is x, row t token t) and one block's worth of
+// pairs (T K <= kLayoutChunk, E < kLayoutChunk), the token routes then the layout of their route
+// (received rows: all T, this rank: 0) in one launch (decode sizes: one kernel, not two).
+
+__global__ void __launch_bounds__(kLayoutChunk) local_layout_kernel(RoutesArgs r, LayoutArgs a) {
+  token_routes_block(r, 0, true);
+  __syncthreads();  // (the route: visible to the block after the barrier)
+  layout_one_chunk(a, static_cast<int32_t>(r.T), 0);
+}
+
+bool local_layout_fits(int64_t T, int64_t K, int64_t E) {
+  return T * K <= kLayoutChunk && E < kLayoutChunk && K >= 1;
+}
+
+cudaError_t launch_local_layout(cudaStream_t s, const RoutesArgs& r, const LayoutArgs& a) {
+  const size_t smem = std::max(routes_smem(r.n), layout_count_smem(a.K, a.L));
+  local_layout_kernel<<<1, kLayoutChunk, smem, s>>>(r, a);
+  return cudaGetLastError();
+}
+
+ffi::Error LocalLayout(cudaStream_t stream, ffi::Buffer<ffi::S32> ids,
+                       ffi::Buffer<ffi::F32> weights, F32Result route, S32Result dest,
+                       PredResult in_rank, PredResult first, S32Result counts,
+                       S32Result invalid, S32Result recv_pos, S32Result targets,
+                       F32Result recv_w, S32Result expert_token, S32Result sizes,
+                       S32Result num_pairs, S32Result fill, int64_t zero_fill) {
+  const std::string where = "ep_comm rows local_layout: ";
+  RoutesArgs r{};
+  ffi::Error err = routes_args(where, ids, weights, route, dest, in_rank, first, counts, invalid,
+                               sizes->element_count(), r);
+  if (err.failure()) return err;
+  LayoutArgs a{};
+  err = layout_results(where, r.T, r.K, recv_pos, targets, recv_w, expert_token, sizes,
+                       num_pairs, fill, zero_fill, a);
+  if (err.failure()) return err;
+  if (r.n != 1 || !local_layout_fits(r.T, r.K, r.E)) {
+    return ffi::Error::InvalidArgument(
+        where + "one rank with T K <= " + std::to_string(kLayoutChunk) + " and num_experts < " +
+        std::to_string(kLayoutChunk) + ", got " + std::to_string(r.n) + " ranks, T K = " +
+        std::to_string(r.T * r.K) + " and " + std::to_string(r.E) + " experts");
+  }
+  a.route = r.route;
+  const cudaError_t e = launch_local_layout(stream, r, a);
   if (e != cudaSuccess) return ffi::Error::Internal(where + "launch: " + cuda_str(e));
   return ffi::Error::Success();
 }
@@ -1637,9 +1733,10 @@ int64_t routes_selftest(cudaStream_t s, Next& next, int64_t T) {
       ok(cudaMemcpy(d_w, w.data(), T * K * 4, cudaMemcpyHostToDevice))) {
     int32_t* p = static_cast<int32_t*>(d_ints);
     bool* b = static_cast<bool*>(d_b);
-    if (ok(launch_routes(s, static_cast<const int32_t*>(d_ids), static_cast<const float*>(d_w),
-                         static_cast<float*>(d_route), p, b, b + T * n, p + T * K,
-                         p + T * K + 2 * n, T, K, E, n)) &&
+    const RoutesArgs r{static_cast<const int32_t*>(d_ids), static_cast<const float*>(d_w),
+                       static_cast<float*>(d_route), p, b, b + T * n, p + T * K,
+                       p + T * K + 2 * n, T, K, E, n};
+    if (ok(launch_routes(s, r)) &&
         ok(cudaStreamSynchronize(s)) &&
         ok(cudaMemcpy(got.data(), d_ints, ints * 4, cudaMemcpyDeviceToHost)) &&
         ok(cudaMemcpy(flags.data(), d_b, flags.size(), cudaMemcpyDeviceToHost))) {
@@ -1671,12 +1768,90 @@ int64_t routes_selftest(cudaStream_t s, Next& next, int64_t T) {
   return wrong;
 }
 
+// local_layout (one launch) against token_routes then expert_layout (two), on one rank's malformed
+// ids (every int32 extreme, negative, past the experts, repeats): every output byte.
+template <typename Next>
+int64_t local_selftest(cudaStream_t s, Next& next) {
+  const int32_t K = 8, E = 61;
+  const int64_t T = 100, C = 700, F = 40, m = T * K;
+  const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, E, E + 1000, -7};
+  std::vector<int32_t> ids(m);
+  std::vector<float> w(m);
+  for (int64_t i = 0; i < m; ++i) {
+    const uint32_t u = next() % 10;
+    ids[i] = u < 6 ? static_cast<int32_t>(next() % E)
+             : u < 8 && i % K ? ids[i - 1 - next() % (i % K)] : odd[next() % 6];
+    w[i] = static_cast<float>(next() % 1000) / 1000.0f;
+  }
+  // per run: route (2m floats) | ints: dest m, counts 2, invalid 1, recv_pos m, targets m,
+  // expert_token C, sizes E, num_pairs 1, fill F, scratch (3m + (E + 1)), num_recv, me | recv_w m
+  // floats | flags: in_rank T, first m
+  const int64_t ints = m + 3 + 2 * m + C + E + 1 + F + 3 * m + (E + 1) + 2;
+  const int64_t bytes = (2 * m + ints + m) * 4 + T + m;
+  void *d_ids = nullptr, *d_w = nullptr, *d_out = nullptr;
+  auto ok = [](cudaError_t e) { return e == cudaSuccess; };
+  std::vector<uint8_t> got[2] = {std::vector<uint8_t>(bytes), std::vector<uint8_t>(bytes)};
+  int64_t wrong = -1;
+  if (ok(cudaMalloc(&d_ids, m * 4)) && ok(cudaMalloc(&d_w, m * 4)) &&
+      ok(cudaMalloc(&d_out, 2 * bytes)) && ok(cudaMemset(d_out, 0, 2 * bytes)) &&
+      ok(cudaMemcpy(d_ids, ids.data(), m * 4, cudaMemcpyHostToDevice)) &&
+      ok(cudaMemcpy(d_w, w.data(), m * 4, cudaMemcpyHostToDevice))) {
+    bool fine = true;
+    for (int run = 0; run < 2 && fine; ++run) {
+      char* base = static_cast<char*>(d_out) + run * bytes;
+      float* route = reinterpret_cast<float*>(base);
+      int32_t* p = reinterpret_cast<int32_t*>(route + 2 * m);
+      float* recv_w = reinterpret_cast<float*>(p + ints);
+      bool* flags = reinterpret_cast<bool*>(recv_w + m);
+      const RoutesArgs r{static_cast<const int32_t*>(d_ids), static_cast<const float*>(d_w),
+                         route, p, flags, flags + T, p + m, p + m + 2, T, K, E, 1};
+      LayoutArgs a{};
+      a.route = route;
+      a.recv_pos = p + m + 3;
+      a.targets = a.recv_pos + m;
+      a.expert_token = a.targets + m;
+      a.sizes = a.expert_token + C;
+      a.num_pairs = a.sizes + E;
+      a.fill = a.num_pairs + 1;
+      a.keys = a.fill + F;
+      a.in_chunk = a.keys + m;
+      a.first = a.in_chunk + m;
+      a.counts = a.first + m;
+      int32_t* scalars = a.counts + (E + 1);
+      a.num_recv = scalars;
+      a.me = scalars + 1;
+      a.recv_w = recv_w;
+      a.rows = T, a.C = C, a.F = F, a.chunks = layout_chunks(m), a.K = K, a.L = E;
+      a.zero_fill = false;
+      const int32_t host_scalars[] = {static_cast<int32_t>(T), 0};
+      fine = ok(cudaMemcpy(scalars, host_scalars, 8, cudaMemcpyHostToDevice)) &&
+             (run == 0 ? ok(launch_routes(s, r)) && ok(launch_layout(s, a))
+                       : ok(launch_local_layout(s, r, a))) &&
+             ok(cudaStreamSynchronize(s)) &&
+             ok(cudaMemcpy(got[run].data(), base, bytes, cudaMemcpyDeviceToHost));
+    }
+    if (fine) {
+      // every byte but the scratch (the one-launch kernel keeps it in shared memory)
+      const int64_t scratch_from = (2 * m + m + 3 + 2 * m + C + E + 1 + F) * 4;
+      const int64_t scratch_to = scratch_from + (3 * m + (E + 1)) * 4;
+      wrong = 0;
+      for (int64_t q = 0; q < bytes; ++q) {
+        if (q < scratch_from || q >= scratch_to) wrong += got[0][q] != got[1][q];
+      }
+    }
+  }
+  for (void* q : {d_ids, d_w, d_out}) {
+    if (q) cudaFree(q);
+  }
+  return wrong;
+}
+
 // The kernels on malformed indices (every int32 extreme, negative, past the table), outside XLA,
 // so that compute-sanitizer can watch them without a JAX process: a gather of 7392-byte rows
 // (16-byte path), of 3-byte rows (byte path) and a weighted bf16 sum into float32. Returns the
 // number of wrong output values (defined rows against the table, zero rows), or -1 when CUDA
 // fails. Then the scatter (scatter_selftest), the counting sort (rank_selftest), the layout
-// (layout_selftest) and the token routes (routes_selftest).
+// (layout_selftest), the token routes (routes_selftest) and both in one launch (local_selftest).
 int64_t selftest() {
   const int64_t N = 64, M = 300, K = 8, H = 3696;  // 7392-byte rows = H bf16
   std::vector<int32_t> idx(M), idx2(M * K);
@@ -1753,6 +1928,8 @@ int64_t selftest() {
       const int64_t w5 = more < 0 ? -1 : routes_selftest(s, next, t);
       more = w5 < 0 ? -1 : more + w5;
     }
+    const int64_t w6 = more < 0 ? -1 : local_selftest(s, next);
+    more = w6 < 0 ? -1 : more + w6;
     wrong = w2 < 0 || w3 < 0 || more < 0 ? -1 : wrong + w2 + w3 + more;
   }
   for (void* p : {d_table, d_out, d_idx, d_idx2, d_w, static_cast<void*>(d_sum)}) {
@@ -1854,6 +2031,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenRoutes, TokenRoutes,
                                   .Ret<ffi::Buffer<ffi::S32>>()    // invalid (1,)
                                   .Attr<int64_t>("num_experts"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLocalLayout, LocalLayout,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // ids (T, K)
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights (T, K)
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // route (T, 2K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // dest (T, K)
+                                  .Ret<ffi::Buffer<ffi::PRED>>()   // in_rank (T, 1)
+                                  .Ret<ffi::Buffer<ffi::PRED>>()   // first (T, K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // counts (2,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // invalid (1,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_pos (T, K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // targets (T, K)
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_w (T, K)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // expert_token (C,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // group sizes (E,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_pairs (1,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // fill (F,)
+                                  .Attr<int64_t>("zero_fill"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -1873,5 +2070,6 @@ void* expert_layout_handler() { return reinterpret_cast<void*>(kExpertLayout); }
 void* scatter_fake_quant_handler() { return reinterpret_cast<void*>(kScatterFakeQuant); }
 void* scatter_quant_handler() { return reinterpret_cast<void*>(kScatterQuant); }
 void* token_routes_handler() { return reinterpret_cast<void*>(kTokenRoutes); }
+void* local_layout_handler() { return reinterpret_cast<void*>(kLocalLayout); }
 
 }  // namespace ep_comm::rows

@@ -16,6 +16,7 @@ void* expert_layout_handler();  // XLA FFI handler ep_comm_rows_expert_layout
 void* scatter_fake_quant_handler();  // XLA FFI handler ep_comm_rows_scatter_fake_quant
 void* scatter_quant_handler();  // XLA FFI handler ep_comm_rows_scatter_quant
 void* token_routes_handler();  // XLA FFI handler ep_comm_rows_token_routes
+void* local_layout_handler();  // XLA FFI handler ep_comm_rows_local_layout
 int64_t selftest();          // the kernels on malformed indices outside XLA: wrong values, or -1
 
 }  // namespace ep_comm::rows

@@ -23,6 +23,8 @@ NB_MODULE(_ep_rows, m) {
         []() { return nb::capsule(ep_comm::rows::scatter_quant_handler()); });
   m.def("token_routes_handler",
         []() { return nb::capsule(ep_comm::rows::token_routes_handler()); });
+  m.def("local_layout_handler",
+        []() { return nb::capsule(ep_comm::rows::local_layout_handler()); });
   m.def("selftest", &ep_comm::rows::selftest,
         "Run the kernels on malformed indices outside XLA (for compute-sanitizer); returns the "
         "number of wrong output values, or -1 when CUDA fails.");
