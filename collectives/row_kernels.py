@@ -402,23 +402,29 @@ class TokenRoutes:
     num_invalid: jax.Array
 
 
+def _routing(api, topk_ids, topk_weights):
+    """``(ids, weights)`` as int32 and float32 ``(T, K)`` arrays, checked (``api`` names the op
+    in the error)."""
+    ids = jnp.asarray(topk_ids)
+    w = jnp.asarray(topk_weights)
+    if (ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or w.shape != ids.shape
+            or not jnp.issubdtype(w.dtype, jnp.floating)):
+        raise ValueError(f"row_kernels.{api}: topk_ids must be integer (T, K) and topk_weights "
+                         f"floating of the same shape, got {ids.dtype} {tuple(ids.shape)} and "
+                         f"{w.dtype} {tuple(w.shape)}")
+    return _same_vma(ids.astype(jnp.int32), w.astype(jnp.float32))
+
+
 def token_routes(topk_ids, topk_weights, *, num_experts: int, num_ranks: int) -> TokenRoutes:
     """Dispatch's sender-side layout: for each token, the ranks holding its experts (placed in
     contiguous blocks of ``num_experts // num_ranks``) and the per-rank counts; ``topk_ids``
     ``(T, K)`` integer (-1: no expert), ``topk_weights`` ``(T, K)`` floating. On GPUs one kernel;
     elsewhere (and as its reference) XLA. Returns a :class:`TokenRoutes`."""
-    ids = jnp.asarray(topk_ids)
-    w = jnp.asarray(topk_weights)
-    if (ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or w.shape != ids.shape
-            or not jnp.issubdtype(w.dtype, jnp.floating)):
-        raise ValueError(f"row_kernels.token_routes: topk_ids must be integer (T, K) and "
-                         f"topk_weights floating of the same shape, got {ids.dtype} "
-                         f"{tuple(ids.shape)} and {w.dtype} {tuple(w.shape)}")
+    ids, w = _routing("token_routes", topk_ids, topk_weights)
     E, n = int(num_experts), int(num_ranks)
     if n < 1 or E < n or E % n:
         raise ValueError(f"row_kernels.token_routes: num_ranks must divide num_experts, got "
                          f"num_experts={num_experts} and num_ranks={num_ranks}")
-    ids, w = _same_vma(ids.astype(jnp.int32), w.astype(jnp.float32))
     route, dest, in_rank, first, counts, invalid = token_routes_p.bind(
         ids, w, num_experts=E, num_ranks=n, kernel=_want_kernels())
     return TokenRoutes(route, dest, in_rank, first, counts[:n], counts[n:], invalid[0])
@@ -632,19 +638,12 @@ def local_layout(topk_ids, topk_weights, *, num_experts: int, rows: int, fill_ro
     (:func:`local_layout_fits`), where each launch is a good part of the time. Elsewhere, and as
     the reference, the two ops' XLA references. Returns ``(TokenRoutes, ExpertLayout)``, equal to
     the two ops'."""
-    ids = jnp.asarray(topk_ids)
-    w = jnp.asarray(topk_weights)
-    if (ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or w.shape != ids.shape
-            or not jnp.issubdtype(w.dtype, jnp.floating)):
-        raise ValueError(f"row_kernels.local_layout: topk_ids must be integer (T, K) and "
-                         f"topk_weights floating of the same shape, got {ids.dtype} "
-                         f"{tuple(ids.shape)} and {w.dtype} {tuple(w.shape)}")
+    ids, w = _routing("local_layout", topk_ids, topk_weights)
     T, K = ids.shape
     if not local_layout_fits(T, K, int(num_experts)) or rows < 0 or fill_rows < 0:
         raise ValueError(f"row_kernels.local_layout: needs T * K <= {LAYOUT_CHUNK}, num_experts < "
                          f"{LAYOUT_CHUNK} and rows, fill_rows >= 0, got T={T}, K={K}, "
                          f"num_experts={num_experts}, rows={rows}, fill_rows={fill_rows}")
-    ids, w = _same_vma(ids.astype(jnp.int32), w.astype(jnp.float32))
     out = local_layout_p.bind(ids, w, num_experts=int(num_experts), rows=int(rows),
                               fill_rows=int(rows if zero_fill else min(fill_rows, rows)),
                               zero_fill=bool(zero_fill), kernel=_want_kernels())

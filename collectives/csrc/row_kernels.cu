@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "call_shape.h"
@@ -2002,54 +2003,46 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kKeyRank, KeyRank,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // base (chunks, num_keys)
                                   .Ret<ffi::Buffer<ffi::S32>>());  // (rank, order) (2, M)
 
+// The bindings the layout handlers share: the layout's results after the operands of `b`, and
+// the token routes' operands and results.
+template <typename B>
+auto with_layout_rets(B b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::S32>>()   // recv_pos (R, K)
+      .template Ret<ffi::Buffer<ffi::S32>>()       // targets (R, K)
+      .template Ret<ffi::Buffer<ffi::F32>>()       // recv_w (R, K)
+      .template Ret<ffi::Buffer<ffi::S32>>()       // expert_token (C,)
+      .template Ret<ffi::Buffer<ffi::S32>>()       // group sizes (L,)
+      .template Ret<ffi::Buffer<ffi::S32>>()       // num_pairs (1,)
+      .template Ret<ffi::Buffer<ffi::S32>>();      // fill (F,)
+}
+
+auto routes_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::S32>>()    // ids (T, K)
+      .Arg<ffi::Buffer<ffi::F32>>()    // weights (T, K)
+      .Ret<ffi::Buffer<ffi::F32>>()    // route (T, 2K)
+      .Ret<ffi::Buffer<ffi::S32>>()    // dest (T, K)
+      .Ret<ffi::Buffer<ffi::PRED>>()   // in_rank (T, n)
+      .Ret<ffi::Buffer<ffi::PRED>>()   // first (T, K)
+      .Ret<ffi::Buffer<ffi::S32>>()    // counts (2n,)
+      .Ret<ffi::Buffer<ffi::S32>>();   // invalid (1,)
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kExpertLayout, ExpertLayout,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // route (R, 2K)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_recv (1,)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // me (1,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_pos (R, K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // targets (R, K)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // recv_w (R, K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_token (C,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // group sizes (L,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_pairs (1,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // fill (F,)
+                              with_layout_rets(ffi::Ffi::Bind()
+                                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                   .Arg<ffi::Buffer<ffi::F32>>()    // route
+                                                   .Arg<ffi::Buffer<ffi::S32>>()    // num_recv
+                                                   .Arg<ffi::Buffer<ffi::S32>>())   // me
                                   .Ret<ffi::Buffer<ffi::S32>>()   // scratch
                                   .Attr<int64_t>("zero_fill"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTokenRoutes, TokenRoutes,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // ids (T, K)
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights (T, K)
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // route (T, 2K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // dest (T, K)
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // in_rank (T, n)
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // first (T, K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // counts (2n,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // invalid (1,)
-                                  .Attr<int64_t>("num_experts"));
+                              routes_binding().Attr<int64_t>("num_experts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLocalLayout, LocalLayout,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // ids (T, K)
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights (T, K)
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // route (T, 2K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // dest (T, K)
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // in_rank (T, 1)
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // first (T, K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // counts (2,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // invalid (1,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_pos (T, K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // targets (T, K)
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_w (T, K)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // expert_token (C,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // group sizes (E,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_pairs (1,)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // fill (F,)
-                                  .Attr<int64_t>("zero_fill"));
+                              with_layout_rets(routes_binding()).Attr<int64_t>("zero_fill"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGatherSum, GatherSum,
                               ffi::Ffi::Bind()
