@@ -1642,6 +1642,25 @@ int64_t rank_selftest(cudaStream_t s, Next& next) {
 // The layout kernels on a malformed routing (ids NaN, +-Inf, huge, negative, other ranks';
 // garbage past num_recv): every index they write must stay in range and the groups must hold
 // each routed pair once. Returns the out-of-range values, or -1 when CUDA fails.
+// The layout's int32 results and scratch one after another from p (the selftests' buffers), for
+// a's rows, K, C, L, F and chunks: recv_pos, targets (M each), expert_token (C), sizes (L),
+// num_pairs (1), fill (F), keys, ranks, first slots (M each), counts ((L + 1) chunks). Returns
+// the end.
+int32_t* carve_layout(LayoutArgs& a, int32_t* p) {
+  const int64_t m = a.rows * a.K;
+  a.recv_pos = p;
+  a.targets = p + m;
+  a.expert_token = a.targets + m;
+  a.sizes = a.expert_token + a.C;
+  a.num_pairs = a.sizes + a.L;
+  a.fill = a.num_pairs + 1;
+  a.keys = a.fill + a.F;
+  a.in_chunk = a.keys + m;
+  a.first = a.in_chunk + m;
+  a.counts = a.first + m;
+  return a.counts + (int64_t{a.L} + 1) * a.chunks;
+}
+
 template <typename Next>
 int64_t layout_selftest(cudaStream_t s, Next& next, int64_t R) {
   const int64_t C = 500, F = 40;
@@ -1671,18 +1690,9 @@ int64_t layout_selftest(cudaStream_t s, Next& next, int64_t R) {
     a.route = static_cast<const float*>(d_route);
     a.num_recv = p + ints;
     a.me = p + ints + 1;
-    a.recv_pos = p;
-    a.targets = p + m;
-    a.expert_token = p + 2 * m;
-    a.sizes = a.expert_token + C;
-    a.num_pairs = a.sizes + L;
-    a.fill = a.num_pairs + 1;
-    a.keys = a.fill + F;
-    a.in_chunk = a.keys + m;
-    a.first = a.in_chunk + m;
-    a.counts = a.first + m;
     a.recv_w = static_cast<float*>(d_w);
     a.rows = R, a.C = C, a.F = F, a.chunks = chunks, a.K = K, a.L = L, a.zero_fill = false;
+    carve_layout(a, p);
     if (ok(cudaMemcpy(p + ints, scalars, 8, cudaMemcpyHostToDevice)) &&
         ok(launch_layout(s, a)) && ok(cudaStreamSynchronize(s)) &&
         ok(cudaMemcpy(out.data(), d_ints, ints * 4, cudaMemcpyDeviceToHost))) {
@@ -1808,22 +1818,12 @@ int64_t local_selftest(cudaStream_t s, Next& next) {
                          route, p, flags, flags + T, p + m, p + m + 2, T, K, E, 1};
       LayoutArgs a{};
       a.route = route;
-      a.recv_pos = p + m + 3;
-      a.targets = a.recv_pos + m;
-      a.expert_token = a.targets + m;
-      a.sizes = a.expert_token + C;
-      a.num_pairs = a.sizes + E;
-      a.fill = a.num_pairs + 1;
-      a.keys = a.fill + F;
-      a.in_chunk = a.keys + m;
-      a.first = a.in_chunk + m;
-      a.counts = a.first + m;
-      int32_t* scalars = a.counts + (E + 1);
-      a.num_recv = scalars;
-      a.me = scalars + 1;
       a.recv_w = recv_w;
       a.rows = T, a.C = C, a.F = F, a.chunks = layout_chunks(m), a.K = K, a.L = E;
       a.zero_fill = false;
+      int32_t* scalars = carve_layout(a, p + m + 3);
+      a.num_recv = scalars;
+      a.me = scalars + 1;
       const int32_t host_scalars[] = {static_cast<int32_t>(T), 0};
       fine = ok(cudaMemcpy(scalars, host_scalars, 8, cudaMemcpyHostToDevice)) &&
              (run == 0 ? ok(launch_routes(s, r)) && ok(launch_layout(s, a))
