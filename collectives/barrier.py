@@ -17,8 +17,10 @@ program concurrently and in another order on another process (a function and its
 exchange); uses of one shared barrier, taken in turn, match whatever the order. Several CPU devices
 of one process pass it together: the first to arrive waits at the barrier for all of them.
 
-Active between several processes on CPU (``EP_COMM_BARRIER=0`` turns it off); elsewhere
-:func:`admit` returns its operands. It guards the forward pass: the collectives XLA derives for a
+Active between several processes on CPU, for a collective over a mesh axis that spans every
+device (so every process runs it; ``EP_COMM_BARRIER=0`` turns it off); elsewhere :func:`admit`
+returns its operands (an axis over some devices may be one process's alone: a barrier of all
+processes would then wait for processes that never run it). It guards the forward pass: the collectives XLA derives for a
 backward pass (transposes) run in the same program after it, unguarded. A peer that dies inside
 a collective is gloo's to report (it fails on the closed connection).
 """
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from topology.jax_compat import distributed_client
+from topology.jax_compat import axis_size, distributed_client
 from topology.processes import timeout_s
 
 _PREFIX = "ep_comm/barrier"
@@ -56,16 +58,16 @@ class _Call:
 
 
 def active() -> bool:
-    """Whether :func:`admit` waits at the barrier here: several processes on CPU."""
+    """Whether :func:`admit` can wait at the barrier here: several processes on CPU."""
     return (os.environ.get("EP_COMM_BARRIER", "1") != "0" and jax.process_count() > 1
             and jax.default_backend() == "cpu")
 
 
-def admit(label: str, *operands):
+def admit(label: str, axis_name, *operands):
     """``operands``, once every process arrived here for this call of ``label`` (see the
-    module); a collective on them then starts with every peer present. An identity for
-    differentiation."""
-    if not active():
+    module), when a collective over mesh axis ``axis_name`` (bound: inside ``shard_map``) follows;
+    it then starts with every peer present. An identity for differentiation."""
+    if not active() or axis_size(axis_name, "ep_comm barrier") != jax.device_count():
         return operands
     return _admitted(label, operands)
 

@@ -150,7 +150,8 @@ def gather_counts(cfg, v, what):
     collective, behind :mod:`collectives.barrier` between CPU processes (gloo has no timeout)."""
     v = v.astype(jnp.int32)
     if collectives.resolve(cfg.backend, caller=what)[0] != "mpi":
-        return jax.lax.all_gather(barrier.admit(f"{what} (counts)", v)[0], cfg.axis_name)
+        (v,) = barrier.admit(f"{what} (counts)", cfg.axis_name, v)
+        return jax.lax.all_gather(v, cfg.axis_name)
     n, m = cfg.num_ranks, v.shape[0]
     me = jax.lax.axis_index(cfg.axis_name)
     i32 = jnp.int32

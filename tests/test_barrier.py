@@ -43,20 +43,20 @@ def test_inactive_in_one_process_or_off(monkeypatch):
     monkeypatch.setenv("EP_COMM_BARRIER", "0")
     assert not barrier.active()
     x = jnp.arange(3.0)
-    assert barrier.admit("x", x)[0] is x
+    assert barrier.admit("x", "ep", x)[0] is x
 
 
 @pytest.mark.multiprocess
 def test_values_gradient_and_order_between_processes(sharded, n, rng):
     """Between processes the barrier sits in the program (one host callback per device and call),
     every process's call number advances by one per program run, and the collective behind it is
-    scheduled after it (a data dependence XLA keeps)."""
+    scheduled after it (a data dependence XLA keeps); an axis of one process's devices has none."""
     if not barrier.active():
         pytest.skip("the barrier is active between CPU processes only")
     x = rng.standard_normal((n * 2, 3)).astype(np.float32)
 
     def body(v):  # every shard: all of x, gathered behind the barrier
-        (a,) = barrier.admit("test gather", v)
+        (a,) = barrier.admit("test gather", AXIS, v)
         return jax.lax.all_gather(a, AXIS, tiled=True)[None]
 
     f = sharded.smap(body)
@@ -65,8 +65,15 @@ def test_values_gradient_and_order_between_processes(sharded, n, rng):
     for _ in range(3):
         np.testing.assert_array_equal(sharded.get(f(xs)), np.broadcast_to(x, (n,) + x.shape))
     assert barrier._uses["test gather"] - before == 3 * jax.local_device_count()
-    g = sharded.smap(jax.grad(lambda v: jnp.sum(barrier.admit("test grad", v)[0] ** 2)))
+    g = sharded.smap(jax.grad(lambda v: jnp.sum(barrier.admit("test grad", AXIS, v)[0] ** 2)))
     np.testing.assert_allclose(sharded.get(g(xs)), 2 * x, rtol=1e-6)
+    # an axis over this process's devices alone: no barrier (the other processes never run it)
+    mine = jax.make_mesh((1,), (AXIS,), devices=jax.local_devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    local = jax.shard_map(lambda v: barrier.admit("test local", AXIS, v)[0], mesh=mine,
+                          in_specs=jax.sharding.PartitionSpec(AXIS),
+                          out_specs=jax.sharding.PartitionSpec(AXIS))
+    assert "callback" not in str(jax.make_jaxpr(local)(jnp.zeros((2, 3)))), "barrier on a local axis"
     hlo = f.lower(xs).compile().as_text()
     order = [m.group(0) for m in re.finditer(r"xla_ffi_python_cpu_callback|all-gather\(", hlo)]
     assert order[:1] == ["xla_ffi_python_cpu_callback"] and "all-gather(" in order, order
