@@ -3,26 +3,29 @@
 XLA:CPU's cross-process collectives (gloo) have no timeout: a peer that stays alive but never
 joins a collective (it skipped a call, raised before it, or stalls) leaves every other process
 blocked in it for good, and no thread can unblock it. So the portable transport's exchanges, and
-dispatch's gather of the traffic counts on it, first pass :func:`admit`: a host callback in which
-every process waits at a barrier of the ``jax.distributed`` coordination service, for at most
-``EP_COMM_TIMEOUT_S`` seconds (default 300). Only when every process arrived does the collective
-start; a process that does not arrive in time fails the program on the others with an error that
-names the operation, the call and the missing processes. Nothing stays armed behind a program
-that fails (no deadline, no thread): the barrier is part of the program.
+dispatch's gather of the traffic counts on it, run through :func:`guard`: first a host callback in
+which every process waits at a barrier of the ``jax.distributed`` coordination service, for at
+most ``EP_COMM_TIMEOUT_S`` seconds (default 300). Only when every process arrived does the
+collective start; a process that does not arrive in time fails the program on the others with an
+error that names the operation, the call and the missing processes. Nothing stays armed behind a
+program that fails (no deadline, no thread): the barrier is part of the program.
 
-Every call is one use of one barrier (the service counts the uses, so the barriers do not pile
-up), and a process uses it one call at a time: its k-th use meets every other process's k-th.
-Every process makes the same calls, as SPMD programs do, but XLA may run independent calls of one
-program concurrently and in another order on another process (a function and its tangent's
-exchange); uses of one shared barrier, taken in turn, match whatever the order. Several CPU devices
-of one process pass it together: the first to arrive waits at the barrier for all of them.
+Order: the barrier and a marker after each guarded collective are *ordered* host callbacks, which
+JAX runs in trace order, so every process runs its guarded collectives in the same order, one at a
+time. (Unordered barriers deadlocked at 4 processes: XLA ran two independent exchanges in
+different orders on different processes, and a process blocked at the second barrier could not
+join the first collective that another process was waiting in.) Every call is one use of one
+shared barrier (the service counts the uses, so the barriers do not pile up): a process's k-th use
+meets every other process's k-th. Several CPU devices of one process pass it together: the first
+to arrive waits at the barrier for all of them.
 
 Active between several processes on CPU, for a collective over a mesh axis that spans every
-device (so every process runs it; ``EP_COMM_BARRIER=0`` turns it off); elsewhere :func:`admit`
-returns its operands (an axis over some devices may be one process's alone: a barrier of all
-processes would then wait for processes that never run it). It guards the forward pass: the collectives XLA derives for a
-backward pass (transposes) run in the same program after it, unguarded. A peer that dies inside
-a collective is gloo's to report (it fails on the closed connection).
+device (so every process runs it; ``EP_COMM_BARRIER=0`` turns it off); elsewhere :func:`guard` is
+the collective alone (an axis over some devices may be one process's alone: a barrier of all
+processes would then wait for processes that never run it). It guards the forward pass: the
+collectives XLA derives for a backward pass (transposes) run in the same program after it,
+unguarded. A peer that dies inside a collective is gloo's to report (it fails on the closed
+connection).
 """
 
 from __future__ import annotations
@@ -58,25 +61,58 @@ class _Call:
 
 
 def active() -> bool:
-    """Whether :func:`admit` can wait at the barrier here: several processes on CPU."""
+    """Whether :func:`guard` can wait at the barrier here: several processes on CPU."""
     return (os.environ.get("EP_COMM_BARRIER", "1") != "0" and jax.process_count() > 1
             and jax.default_backend() == "cpu")
 
 
-def admit(label: str, axis_name, *operands):
-    """``operands``, once every process arrived here for this call of ``label`` (see the
-    module), when a collective over mesh axis ``axis_name`` (bound: inside ``shard_map``) follows;
-    it then starts with every peer present. An identity for differentiation."""
-    if not active() or axis_size(axis_name, "ep_comm barrier") != jax.device_count():
-        return operands
-    return _admitted(label, operands)
+def _guards(axis_name) -> bool:
+    return active() and axis_size(axis_name, "ep_comm barrier") == jax.device_count()
+
+
+def guard(label: str, axis_name, collective, *operands):
+    """``collective(*operands)``, a collective over mesh axis ``axis_name`` (bound: inside
+    ``shard_map``), started once every process arrived at the barrier for this call of ``label``
+    (see the module). The barrier and a marker after the collective are ordered host callbacks:
+    JAX runs a program's ordered callbacks in trace order, so every process runs its guarded
+    collectives in the same order, one after the other. (Two independent exchanges, each behind
+    its own unordered barrier, deadlocked at 4 processes: one process waited at the second barrier
+    while another waited inside the first collective for it.) Differentiable as ``collective``
+    (the barrier is an identity)."""
+    if not _guards(axis_name):
+        return collective(*operands)
+    out = collective(*_admitted(label, operands))
+    leaves = jax.tree.leaves(out)
+    dep = jax.lax.stop_gradient(jnp.concatenate(
+        [jnp.ravel(o)[:1].astype(jnp.float32) for o in leaves]))
+    _ordered(_passed, dep)
+    return out
+
+
+def _ordered(fn, dep):
+    """``fn(dep)``, an ordered host callback returning an int32 scalar. Under ``vmap`` it runs
+    once for the whole batch (JAX cannot batch an ordered callback; a batch of exchanges is one
+    collective, one barrier)."""
+    @jax.custom_batching.custom_vmap
+    def call(d):
+        return io_callback(fn, jax.ShapeDtypeStruct((), jnp.int32), d, ordered=True)
+
+    @call.def_vmap
+    def _batched(axis_size, in_batched, d):
+        del axis_size, in_batched
+        return call(jnp.ravel(d)[:1]), False
+
+    return call(dep)
+
+
+def _passed(_dep) -> np.int32:
+    return np.int32(0)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _admitted(label, operands):
     dep = jnp.concatenate([jnp.ravel(o)[:1].astype(jnp.float32) for o in operands])
-    call = io_callback(functools.partial(_arrive, label), jax.ShapeDtypeStruct((), jnp.int32),
-                       dep)
+    call = _ordered(functools.partial(_arrive, label), dep)
     # the operands through a select on the call's number (always >= 1, which XLA cannot know):
     # a data dependence that survives to the schedule, so the collective runs after the barrier
     # (an optimization barrier's ordering ends before XLA schedules; the select fuses into the

@@ -82,12 +82,10 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
     # 2. exchange slots and the receiver-frame offsets (between CPU processes, once every process
     # arrived: XLA's collectives there wait forever for a peer that never comes).
-    packed, output_offsets = barrier.admit(label or "ragged_all_to_all", axis_name, packed,
-                                           output_offsets)
-    received = lax.all_to_all(packed, axis_name, 0, 0, tiled=True,
-                              axis_index_groups=axis_index_groups)
-    recv_offsets = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True,
-                                  axis_index_groups=axis_index_groups)
+    exchange = lambda *a: tuple(lax.all_to_all(v, axis_name, 0, 0, tiled=True,  # noqa: E731
+                                               axis_index_groups=axis_index_groups) for v in a)
+    received, recv_offsets = barrier.guard(label or "ragged_all_to_all", axis_name, exchange,
+                                           packed, output_offsets)
 
     # 3. unpack: find, for every output row, the (last-starting) non-empty segment covering it.
     big = jnp.iinfo(i32).max

@@ -150,8 +150,8 @@ def gather_counts(cfg, v, what):
     collective, behind :mod:`collectives.barrier` between CPU processes (gloo has no timeout)."""
     v = v.astype(jnp.int32)
     if collectives.resolve(cfg.backend, caller=what)[0] != "mpi":
-        (v,) = barrier.admit(f"{what} (counts)", cfg.axis_name, v)
-        return jax.lax.all_gather(v, cfg.axis_name)
+        return barrier.guard(f"{what} (counts)", cfg.axis_name,
+                             lambda a: jax.lax.all_gather(a, cfg.axis_name), v)
     n, m = cfg.num_ranks, v.shape[0]
     me = jax.lax.axis_index(cfg.axis_name)
     i32 = jnp.int32

@@ -43,7 +43,7 @@ def test_inactive_in_one_process_or_off(monkeypatch):
     monkeypatch.setenv("EP_COMM_BARRIER", "0")
     assert not barrier.active()
     x = jnp.arange(3.0)
-    assert barrier.admit("x", "ep", x)[0] is x
+    assert barrier.guard("x", "ep", lambda a: a + 1, x).tolist() == [1.0, 2.0, 3.0]
 
 
 @pytest.mark.multiprocess
@@ -56,8 +56,8 @@ def test_values_gradient_and_order_between_processes(sharded, n, rng):
     x = rng.standard_normal((n * 2, 3)).astype(np.float32)
 
     def body(v):  # every shard: all of x, gathered behind the barrier
-        (a,) = barrier.admit("test gather", AXIS, v)
-        return jax.lax.all_gather(a, AXIS, tiled=True)[None]
+        return barrier.guard("test gather", AXIS,
+                             lambda a: jax.lax.all_gather(a, AXIS, tiled=True)[None], v)
 
     f = sharded.smap(body)
     xs = sharded.put(x)
@@ -65,12 +65,13 @@ def test_values_gradient_and_order_between_processes(sharded, n, rng):
     for _ in range(3):
         np.testing.assert_array_equal(sharded.get(f(xs)), np.broadcast_to(x, (n,) + x.shape))
     assert barrier._uses["test gather"] - before == 3 * jax.local_device_count()
-    g = sharded.smap(jax.grad(lambda v: jnp.sum(barrier.admit("test grad", AXIS, v)[0] ** 2)))
+    g = sharded.smap(jax.grad(lambda v: jnp.sum(barrier.guard("test grad", AXIS,
+                                                              lambda a: a ** 2, v))))
     np.testing.assert_allclose(sharded.get(g(xs)), 2 * x, rtol=1e-6)
     # an axis over this process's devices alone: no barrier (the other processes never run it)
     mine = jax.make_mesh((1,), (AXIS,), devices=jax.local_devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,))
-    local = jax.shard_map(lambda v: barrier.admit("test local", AXIS, v)[0], mesh=mine,
+    local = jax.shard_map(lambda v: barrier.guard("test local", AXIS, lambda a: a, v), mesh=mine,
                           in_specs=jax.sharding.PartitionSpec(AXIS),
                           out_specs=jax.sharding.PartitionSpec(AXIS))
     assert "callback" not in str(jax.make_jaxpr(local)(jnp.zeros((2, 3)))), "barrier on a local axis"
