@@ -25,8 +25,8 @@ command's 2-devices-per-process phase: the next calls met the wrong uses). Those
 their collectives unguarded, as before.
 
 Active between several processes on CPU with one device each, for a collective over a mesh axis
-that spans every device (so every process runs it; ``EP_COMM_BARRIER=0`` turns it off); elsewhere :func:`guard` is
-the collective alone (an axis over some devices may be one process's alone: a barrier of all
+that spans every device (so every process runs it; ``EP_COMM_BARRIER=0`` turns it off);
+elsewhere :func:`guard` is the collective alone (an axis over some devices may be one process's alone: a barrier of all
 processes would then wait for processes that never run it). It guards the forward pass: the
 collectives XLA derives for a backward pass (transposes) run in the same program after it,
 unguarded. A peer that dies inside a collective is gloo's to report (it fails on the closed
@@ -49,7 +49,7 @@ from jax.experimental import io_callback
 from topology.jax_compat import axis_size, distributed_client
 from topology.processes import timeout_s
 
-_PREFIX = "ep_comm/barrier"
+_BARRIER_ID = "ep_comm/barrier"  # the one barrier every guarded call uses
 
 _lock = threading.Lock()
 _uses: collections.Counter = collections.Counter()  # calls per operation in this process
@@ -78,11 +78,14 @@ def guard(label: str, axis_name, collective, *operands):
     if not _guards(axis_name):
         return collective(*operands)
     out = collective(*_admitted(label, operands))
-    leaves = jax.tree.leaves(out)
-    dep = jax.lax.stop_gradient(jnp.concatenate(
-        [jnp.ravel(o)[:1].astype(jnp.float32) for o in leaves]))
-    _ordered(_passed, dep)
+    _ordered(_passed, jax.lax.stop_gradient(_first_values(jax.tree.leaves(out))))
     return out
+
+
+def _first_values(arrays):
+    """Each array's first element as float32, in one vector: a callback's operand that makes it
+    wait for the arrays."""
+    return jnp.concatenate([jnp.ravel(a)[:1].astype(jnp.float32) for a in arrays])
 
 
 def _ordered(fn, dep):
@@ -107,8 +110,7 @@ def _passed(_dep) -> np.int32:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _admitted(label, operands):
-    dep = jnp.concatenate([jnp.ravel(o)[:1].astype(jnp.float32) for o in operands])
-    call = _ordered(functools.partial(_arrive, label), dep)
+    call = _ordered(functools.partial(_arrive, label), _first_values(operands))
     # the operands through a select on the call's number (always >= 1, which XLA cannot know):
     # a data dependence that survives to the schedule, so the collective runs after the barrier
     # (an optimization barrier's ordering ends before XLA schedules; the select fuses into the
@@ -139,7 +141,7 @@ def _wait(label: str, call: int) -> str | None:
         return None  # (one process: nothing to wait for)
     limit = timeout_s()
     try:
-        client.wait_at_barrier(_PREFIX, int(limit * 1000))
+        client.wait_at_barrier(_BARRIER_ID, int(limit * 1000))
         return None
     except Exception as e:  # noqa: BLE001  (the coordination service's error, as text)
         return diagnostic(label, call, limit, str(e))

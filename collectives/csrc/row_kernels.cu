@@ -1718,11 +1718,10 @@ int64_t layout_selftest(cudaStream_t s, Next& next, int64_t R) {
   return wrong;
 }
 
-// token_routes on malformed ids (every int32 extreme, negative, past the experts, repeats) over
-// blocks of whole tokens with a last one cut short: dest, first and the counts against the host.
+// Top-K expert ids of T tokens over E experts for the selftests: valid ids, repeats of an earlier
+// slot's expert, and malformed ones (-1, every int32 extreme, negative, past the experts).
 template <typename Next>
-int64_t routes_selftest(cudaStream_t s, Next& next, int64_t T) {
-  const int32_t K = 8, E = 256, n = 8, L = E / n;
+std::vector<int32_t> malformed_routing(Next& next, int64_t T, int32_t K, int32_t E) {
   const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, E, E + 1000, -7};
   std::vector<int32_t> ids(T * K);
   for (int64_t i = 0; i < T * K; ++i) {
@@ -1730,6 +1729,15 @@ int64_t routes_selftest(cudaStream_t s, Next& next, int64_t T) {
     ids[i] = u < 6 ? static_cast<int32_t>(next() % E)
              : u < 8 && i % K ? ids[i - 1 - next() % (i % K)] : odd[next() % 6];
   }
+  return ids;
+}
+
+// token_routes on malformed ids (every int32 extreme, negative, past the experts, repeats) over
+// blocks of whole tokens with a last one cut short: dest, first and the counts against the host.
+template <typename Next>
+int64_t routes_selftest(cudaStream_t s, Next& next, int64_t T) {
+  const int32_t K = 8, E = 256, n = 8, L = E / n;
+  const std::vector<int32_t> ids = malformed_routing(next, T, K, E);
   std::vector<float> w(T * K, 0.5f);
   void *d_ids = nullptr, *d_w = nullptr, *d_route = nullptr, *d_ints = nullptr, *d_b = nullptr;
   auto ok = [](cudaError_t e) { return e == cudaSuccess; };
@@ -1785,15 +1793,9 @@ template <typename Next>
 int64_t local_selftest(cudaStream_t s, Next& next) {
   const int32_t K = 8, E = 61;
   const int64_t T = 100, C = 700, F = 40, m = T * K;
-  const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, E, E + 1000, -7};
-  std::vector<int32_t> ids(m);
+  const std::vector<int32_t> ids = malformed_routing(next, T, K, E);
   std::vector<float> w(m);
-  for (int64_t i = 0; i < m; ++i) {
-    const uint32_t u = next() % 10;
-    ids[i] = u < 6 ? static_cast<int32_t>(next() % E)
-             : u < 8 && i % K ? ids[i - 1 - next() % (i % K)] : odd[next() % 6];
-    w[i] = static_cast<float>(next() % 1000) / 1000.0f;
-  }
+  for (auto& v : w) v = static_cast<float>(next() % 1000) / 1000.0f;
   // per run: route (2m floats) | ints: dest m, counts 2, invalid 1, recv_pos m, targets m,
   // expert_token C, sizes E, num_pairs 1, fill F, scratch (3m + (E + 1)), num_recv, me | recv_w m
   // floats | flags: in_rank T, first m
