@@ -47,7 +47,7 @@ from ep_comm.layout import check_topk_ids, token_routes
 from ep_comm import wire
 from ep_comm.overflow import runtime_check
 from ep_comm.rows import gather_sum
-from ep_comm.routes import (exchange, exclusive_cumsum, flat_route, gather_counts,
+from ep_comm.routes import (Exchange, drive, exclusive_cumsum, flat_route, gather_counts,
                             hierarchical_route, is_local, link_rows, local_route)
 from topology.jax_compat import axis_size
 
@@ -93,6 +93,13 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
       unspecified, or zero with ``config.zero_fill``);
       ``handle`` is the :class:`EPHandle` that :func:`combine` consumes.
     """
+    return drive(dispatch_steps(x, topk_ids, topk_weights, config,
+                                return_quantized=return_quantized))
+
+
+def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized=False):
+    """:func:`dispatch` as a step generator (:func:`ep_comm.routes.drive`): it yields its
+    exchanges and returns ``(expert_x, handle)``."""
     api = "dispatch"
     _check_axis(api, config)
     x = jnp.asarray(x)
@@ -147,12 +154,13 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
     round_trip = local and cfg.wire_format is not None
     rows = x if cfg.wire_format is None or round_trip else wire.pack_rows(x, cfg.wire_format)
     if hierarchical:
-        moved = hierarchical_route(cfg, plan, rows, route, node, in_node, kept,
-                                   counts[:, 2 * n:], me)
+        moved = yield from hierarchical_route(cfg, plan, rows, route, node, in_node, kept,
+                                              counts[:, 2 * n:], me)
     elif local:
         moved = local_route(cfg, rows, route, tr.first, tok, kept)
     else:
-        moved = flat_route(cfg, plan, rows, route, dest, tr.in_rank, tr.first, tok, kept, me)
+        moved = yield from flat_route(cfg, plan, rows, route, dest, tr.in_rank, tr.first, tok,
+                                      kept, me)
 
     # 4. expand into groups contiguous per local expert.
     num_recv = jnp.sum(kept[:, me])
@@ -257,6 +265,12 @@ def combine(expert_y, handle: EPHandle):
       reassociation (and, with a 16-bit combine dtype, one extra rounding of the node sums).
       Pairs with id -1 (or dropped) contribute nothing.
     """
+    return drive(combine_steps(expert_y, handle))
+
+
+def combine_steps(expert_y, handle: EPHandle):
+    """:func:`combine` as a step generator (:func:`ep_comm.routes.drive`): it yields its
+    exchanges and returns the ``(T, H)`` output."""
     api = "combine"
     if not isinstance(handle, EPHandle):
         raise TypeError(f"{api}: handle must be the EPHandle returned by dispatch, "
@@ -279,19 +293,19 @@ def combine(expert_y, handle: EPHandle):
     if is_local(cfg, handle.plan):  # the receive buffer was the tokens: row t is token t's sum
         return partial.astype(expert_y.dtype)
     if handle.plan == "flat":
-        back = exchange(cfg, plan.stages[0], handle.legs[0], partial,
-                         cfg.send_rows, T, "combine", reverse=True)
+        (back,) = yield (Exchange(cfg, plan.stages[0], handle.legs[0], partial, cfg.send_rows, T,
+                                  "combine", reverse=True),)
     else:
         N, G = plan.shape
         leg1, leg2 = handle.legs
         # Stage 2 backwards: one partial per (token, rank) to the node's forwarding rank, which
         # sums them: one row per token and node.
-        back2 = exchange(cfg, plan.stages[1], leg2, partial,
-                          N * T * min(K, G), N * T, "combine (stage 2)", reverse=True)
+        (back2,) = yield (Exchange(cfg, plan.stages[1], leg2, partial, N * T * min(K, G), N * T,
+                                   "combine (stage 2)", reverse=True),)
         node_sum = gather_sum(back2, handle.forward_row, handle.forward_row >= 0,
                               out_dtype=wire)
-        back = exchange(cfg, plan.stages[0], leg1, node_sum, T * min(K, N), T,
-                         "combine (stage 1)", reverse=True)
+        (back,) = yield (Exchange(cfg, plan.stages[0], leg1, node_sum, T * min(K, N), T,
+                                  "combine (stage 1)", reverse=True),)
     # Source: sum the partials of each token's ranks (or nodes), in order of first choice; only
     # the rows that came back (a row the destination did not keep, at a small recv_capacity, did
     # not: its receive row is unspecified).

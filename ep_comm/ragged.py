@@ -161,15 +161,29 @@ def ragged_all_to_all_start(operand, output, input_offsets, send_sizes, output_o
     ``collectives/bench.py``). Other backends do the whole exchange in start. Not differentiable:
     use :func:`ragged_all_to_all` under ``grad``.
     """
-    api = "ragged_all_to_all_start"
+    return _ragged_all_to_all_start(operand, output, input_offsets, send_sizes, output_offsets,
+                                    recv_sizes, axis_name=axis_name,
+                                    axis_index_groups=axis_index_groups, backend=backend,
+                                    api="ragged_all_to_all_start")
+
+
+def _ragged_all_to_all_start(operand, output, input_offsets, send_sizes, output_offsets,
+                             recv_sizes, *, axis_name, axis_index_groups=None, backend="auto",
+                             max_segment_rows: int | None = None, label: str | None = None,
+                             tag: int = 0, api: str = _API) -> PendingExchange:
+    """:func:`ragged_all_to_all_start` plus :func:`_ragged_all_to_all`'s ``max_segment_rows``,
+    ``label`` and ``tag``."""
     operand, output, idx, name, transport, groups = _validate(
         operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
         axis_index_groups, backend, api)
+    label = label or _API
     if name in collectives.native.TRANSPORTS:
         result, ws, keep, params = collectives.native.exchange_start(
-            name, operand, output, *idx, axis_name=axis_name, axis_index_groups=groups)
+            name, operand, output, *idx, axis_name=axis_name, axis_index_groups=groups,
+            label=label, tag=tag)
         return PendingExchange(result, ws, keep, tuple(sorted(params.items())))
-    result = transport(operand, output, *idx, axis_name=axis_name, axis_index_groups=groups)
+    result = transport(operand, output, *idx, axis_name=axis_name, axis_index_groups=groups,
+                       max_segment_rows=max_segment_rows, label=label, tag=tag)
     return PendingExchange(result, jnp.zeros((0,), jnp.int32), (), ())
 
 

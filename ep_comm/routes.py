@@ -4,19 +4,22 @@ A plan is a sequence of legs (:class:`Leg`: one rank's view of one ragged exchan
 reverse). The flat plan has one leg (each token once to every rank holding one of its experts); the
 hierarchical plan two (each token once per destination node, then forwarded inside the node).
 Both pack their send buffers with :func:`pack` and :func:`send_buffer` and move rows with
-:func:`exchange`; each returns a :class:`Route`. Combine runs the legs backwards
-(``exchange(..., reverse=True)``).
+:class:`Exchange`; each returns a :class:`Route`. Combine runs the legs backwards
+(``Exchange(..., reverse=True)``). Routes are step generators (:func:`drive`): they yield their
+exchanges, so that a driver can run them at once or overlap them with other work
+(:mod:`ep_comm.pipeline`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 
 from ep_comm.layout import repeats_earlier
-from ep_comm.ragged import _ragged_all_to_all
+from ep_comm.ragged import PendingExchange, _ragged_all_to_all, _ragged_all_to_all_start
 import collectives
 from collectives import barrier, row_kernels
 from ep_comm.rows import gather_rows
@@ -131,16 +134,64 @@ def send_buffer(x, route, item, dest, row, slot_dest, K):
         [jnp.where(ok, r[:, :K], 0.0), jnp.where(ok, r[:, K:], -1.0)], axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One ragged exchange a step function (a generator: :func:`drive`) asks its driver to run:
+    one leg of ``stage`` (or its reverse) into a fresh buffer of ``rows`` rows."""
+
+    cfg: object
+    stage: object
+    leg: Leg
+    operand: jax.Array
+    rows: int
+    segment_rows: int
+    what: str
+    reverse: bool = False
+
+    def call_args(self):
+        """The ragged all-to-all's arguments and keywords: the output buffer is typed varying like
+        ``operand`` (the result differs per rank); rows no segment covers are unspecified (not
+        written on GPUs): every reader masks them."""
+        op, leg = self.operand, self.leg
+        out = match_vma(row_kernels.empty((self.rows, *op.shape[1:]), op.dtype), op)
+        idx = ((leg.recv_offsets, leg.recv_sizes, leg.peer_input_offsets, leg.send_sizes)
+               if self.reverse else
+               (leg.input_offsets, leg.send_sizes, leg.output_offsets, leg.recv_sizes))
+        return (op, out, *idx), dict(axis_name=self.stage.axis_name,
+                                     axis_index_groups=self.stage.groups,
+                                     backend=self.cfg.backend,
+                                     max_segment_rows=self.segment_rows, label=self.what,
+                                     tag=self.cfg.fingerprint)
+
+    def run(self):
+        """The exchange, start and done fused (differentiable)."""
+        args, kw = self.call_args()
+        return _ragged_all_to_all(*args, **kw)
+
+    def start(self) -> PendingExchange:
+        """The exchange issued (on the nccl transport it runs on the engine's stream until
+        :func:`ep_comm.ragged.ragged_all_to_all_done`; the others complete here). Not
+        differentiable."""
+        args, kw = self.call_args()
+        return _ragged_all_to_all_start(*args, **kw)
+
+
 def exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse=False):
-    """One leg (or its reverse) of ``stage`` into a fresh buffer of ``rows`` rows (typed varying
-    like ``operand``: the result differs per rank). Rows no segment covers are unspecified (not
-    written on GPUs); every reader masks them."""
-    out = match_vma(row_kernels.empty((rows, *operand.shape[1:]), operand.dtype), operand)
-    args = ((leg.recv_offsets, leg.recv_sizes, leg.peer_input_offsets, leg.send_sizes) if reverse
-            else (leg.input_offsets, leg.send_sizes, leg.output_offsets, leg.recv_sizes))
-    return _ragged_all_to_all(operand, out, *args, axis_name=stage.axis_name,
-                              axis_index_groups=stage.groups, backend=cfg.backend,
-                              max_segment_rows=segment_rows, label=what, tag=cfg.fingerprint)
+    """:class:`Exchange` run at once."""
+    return Exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse).run()
+
+
+def drive(steps):
+    """Run a step generator to its end and return its value. A step generator yields tuples of
+    :class:`Exchange` and is sent back their results (a tuple, in order); here each is run at
+    once (differentiable). :mod:`ep_comm.pipeline` drives the same generators with the
+    exchanges started and finished around other work."""
+    try:
+        requests = next(steps)
+        while True:
+            requests = steps.send(tuple(r.run() for r in requests))
+    except StopIteration as stop:
+        return stop.value
 
 
 def gather_counts(cfg, v, what):
@@ -164,30 +215,37 @@ def gather_counts(cfg, v, what):
 
 
 def _move(cfg, stage, leg, x, route, rows, segment_rows, what):
-    """Dispatch's two exchanges of one leg: token rows, then their routing (float32)."""
-    return (exchange(cfg, stage, leg, x, rows, segment_rows, f"dispatch ({what}tokens)"),
-            exchange(cfg, stage, leg, route, rows, segment_rows, f"dispatch ({what}routing)"))
+    """Dispatch's two exchanges of one leg (token rows, then their routing as float32), yielded
+    together; returns what they delivered."""
+    return (yield (Exchange(cfg, stage, leg, x, rows, segment_rows, f"dispatch ({what}tokens)"),
+                   Exchange(cfg, stage, leg, route, rows, segment_rows,
+                            f"dispatch ({what}routing)")))
 
 
-def flat_route(cfg, plan, x, route, dest, in_rank, first, tok, kept, me) -> Route:
+def flat_route(cfg, plan, x, route, dest, in_rank, first, tok, kept, me):
     """Each token once to every rank holding one of its experts (one leg). ``in_rank``,
-    ``first``: the token routes' (``ep_comm.layout.token_routes``)."""
+    ``first``: the token routes' (``ep_comm.layout.token_routes``). A step generator
+    (:func:`drive`) returning the :class:`Route`."""
     T, K, n = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks
     R = cfg.recv_token_rows
     send_starts = exclusive_cumsum(tok, axis=1)  # row of s's send buffer where d's block starts
     item, to, send_row = pack(in_rank, send_starts[me], cfg.send_rows)
     send_x, send_route = send_buffer(x, route, item, to, send_row, dest, K)
     leg = make_leg(kept, send_starts, me, jnp.arange(n, dtype=jnp.int32))
-    recv_x, recv_route = _move(cfg, plan.stages[0], leg, send_x, send_route, R, T, "")
+    recv_x, recv_route = yield from _move(cfg, plan.stages[0], leg, send_x, send_route, R, T, "")
     return Route(recv_x, recv_route, None, (leg,), first_rows(dest, send_row, n, first), None)
 
 
 def is_local(cfg, plan_kind: str) -> bool:
     """Whether dispatch moves nothing between ranks: one rank (flat plan) with room for every
     token. Then the receive buffer is the token rows themselves (:func:`local_route`) and combine
-    has no exchange to run back."""
+    has no exchange to run back. ``EP_COMM_LOCAL_EXCHANGE=1`` (read when a program is traced)
+    makes one rank run its exchanges through the transport anyway (a self-exchange): benchmarks on
+    one GPU use it to time what dispatch, combine and the layer's overlap cost once there are
+    peers."""
     return (plan_kind == "flat" and cfg.num_ranks == 1
-            and cfg.recv_token_rows >= cfg.tokens_per_rank)
+            and cfg.recv_token_rows >= cfg.tokens_per_rank
+            and os.environ.get("EP_COMM_LOCAL_EXCHANGE", "0") != "1")
 
 
 def local_route(cfg, x, route, first, tok, kept) -> Route:
@@ -212,9 +270,10 @@ def first_rows(dest, send_row, P, first=None):
     return jnp.where(first, jnp.take_along_axis(send_row, jnp.minimum(dest, P - 1), 1), -1)
 
 
-def hierarchical_route(cfg, plan, x, route, node, in_node, kept, node_tok, me) -> Route:
+def hierarchical_route(cfg, plan, x, route, node, in_node, kept, node_tok, me):
     """Each token once per destination node (stage 1), then forwarded inside the node to the
-    ranks holding its experts (stage 2)."""
+    ranks holding its experts (stage 2). A step generator (:func:`drive`, one yield per stage)
+    returning the :class:`Route`."""
     T, K, n, L = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks, cfg.experts_per_rank
     R = cfg.recv_token_rows
     N, G = plan.shape
@@ -229,7 +288,7 @@ def hierarchical_route(cfg, plan, x, route, node, in_node, kept, node_tok, me) -
     send_x, send_route = send_buffer(x, route, item, to, send_row, node, K)
     leg1 = make_leg(M1, starts1, a0, jnp.arange(N, dtype=i32) * G + l0)
     R1 = N * T
-    fx, froute = _move(cfg, stage1, leg1, send_x, send_route, R1, T, "stage 1 ")
+    fx, froute = yield from _move(cfg, stage1, leg1, send_x, send_route, R1, T, "stage 1 ")
 
     # Stage 2: forward each received token to the ranks of this node holding its experts, in
     # stage-1 order (source node, token), only the ones that fit there (the flat plan's rule).
@@ -252,7 +311,7 @@ def hierarchical_route(cfg, plan, x, route, node, in_node, kept, node_tok, me) -
     item2, to2, forward_row = pack(fwd, starts2[l0], R1 * min(K, G))
     send2_x, send2_route = send_buffer(fx, froute, item2, to2, forward_row, target, K)
     leg2 = make_leg(F, starts2, l0, a0 * G + jnp.arange(G, dtype=i32))
-    rx, rroute = _move(cfg, stage2, leg2, send2_x, send2_route, R, R1, "stage 2 ")
+    rx, rroute = yield from _move(cfg, stage2, leg2, send2_x, send2_route, R, R1, "stage 2 ")
 
     # Where each flat-order row (source rank s, token) sits in the stage-2 receive buffer:
     # forwarder l's block, then source nodes in order.
