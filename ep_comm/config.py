@@ -68,6 +68,15 @@ class EPConfig:
         written: the worst-case buffer costs no fill; the XLA path on other platforms fills them
         with NaN, so that a consumer reading them shows. Grouped GEMMs, :func:`combine` and the
         layer read only the groups. ``True`` writes zeros there (a pass over the whole buffer).
+      num_chunks: :func:`ep_comm.moe_layer` only: token chunks the layer runs as a pipeline
+        (:mod:`ep_comm.pipeline`): while the experts of chunk ``c`` run, the dispatch of chunk
+        ``c + 1`` and the combine of chunk ``c - 1`` are in flight (on the nccl transport, on the
+        engine's own stream). ``1`` (default): no chunks. An int must divide
+        ``tokens_per_rank``; every chunk is one ``tokens_per_rank / num_chunks``-token exchange.
+        ``"auto"``: the count the cost model predicts fastest (:meth:`CostModel.pipeline_seconds`,
+        from ``cost_model``), among the divisors of ``tokens_per_rank`` up to 16. Every rank
+        must use the same value (it changes the exchanges' sizes, which the native transports
+        check).
 
     Memory per rank (``H`` hidden size, ``b`` bytes per element of ``x``), see :meth:`buffer_bytes`:
       send buffer ``S = T * min(topk, num_ranks)`` rows; token receive buffer
@@ -90,6 +99,7 @@ class EPConfig:
     cost_model: CostModel | None = None
     wire_format: str | None = None
     zero_fill: bool = False
+    num_chunks: int | str = 1
 
     def __post_init__(self):
         owner = "EPConfig"
@@ -140,6 +150,16 @@ class EPConfig:
         if not isinstance(self.zero_fill, bool):
             raise TypeError(f"{owner}: zero_fill must be a bool, got "
                             f"{type(self.zero_fill).__name__}")
+        if self.num_chunks != "auto":
+            if (not isinstance(self.num_chunks, (int, np.integer)) or isinstance(
+                    self.num_chunks, bool) or self.num_chunks < 1):
+                raise ValueError(f"{owner}: num_chunks must be a positive int or 'auto', got "
+                                 f"{self.num_chunks!r}")
+            if self.tokens_per_rank % self.num_chunks:
+                raise ValueError(f"{owner}: num_chunks={self.num_chunks} must divide "
+                                 f"tokens_per_rank={self.tokens_per_rank} (every chunk is an "
+                                 f"exchange of the same size)")
+            object.__setattr__(self, "num_chunks", int(self.num_chunks))
 
     @property
     def fingerprint(self) -> int:

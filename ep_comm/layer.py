@@ -14,6 +14,7 @@ from ep_comm.gemm import grouped_matmul
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids
 from ep_comm.moe import check_float, combine, dispatch
+from ep_comm.pipeline import chunk_config, resolve_chunks, run_pipeline
 from ep_comm.rounds import merge_repeats, run_rounds
 from topology.jax_compat import match_vma
 
@@ -26,8 +27,11 @@ class MoEOutput:
     Attributes:
       y: ``(T, H)``, the layer's output (as ``moe_layer`` returns it alone).
       handle: the :class:`EPHandle` of the layer's dispatch (group sizes, drops, traffic) when it
-        ran in one round (``config.recv_capacity`` at the worst case); ``None`` with rounds.
-      rounds: ``(1,)`` int32; rounds the layer took (1 at the worst-case capacity).
+        ran as one exchange (one chunk, ``config.recv_capacity`` at the worst case); ``None``
+        with chunks or rounds.
+      rounds: ``(1,)`` int32; the pieces of the exchange the layer processed: the sum over its
+        chunks of the rounds each took (1 with one chunk at the worst-case capacity;
+        ``num_chunks`` when every chunk fits one round).
     """
 
     y: jax.Array
@@ -66,6 +70,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
     """The expert-parallel MoE FFN of one rank: ``y[t] = sum_k w[t,k] * expert_{id[t,k]}(x[t])``
     (plus the shared expert's output when given). Dropless at any ``config.recv_capacity``: below
     the worst case it runs in rounds of at most that many pairs per rank (:mod:`ep_comm.rounds`).
+    With ``config.num_chunks`` above 1 the tokens run as a pipeline of chunks whose exchanges
+    overlap the experts of their neighbours (:mod:`ep_comm.pipeline`); ``recv_capacity`` is then
+    the expert buffer of one chunk (a chunk below its own worst case runs in rounds, the chunks
+    one after another).
 
     Call inside ``jax.shard_map`` over ``config.axis_name``; expert weights are sharded over that
     axis (this rank holds experts ``[r * E_local, (r + 1) * E_local)``, ``E_local =
@@ -137,32 +145,52 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         _check_weight(api, "shared_w_out", shared_w_out, (s_inter, H), x.dtype,
                       "(intermediate, hidden)")
 
-    def layer_once(x, ids, weights, params):
-        expert_x, handle = dispatch(x, ids, weights, config)
-        expert_y = run_experts(expert_x, handle.group_sizes, params)
+    chunks = resolve_chunks(config, H, x.dtype,
+                            None if experts is not None else 6.0 * H * inter, api)
+    one = chunk_config(config, chunks)  # one chunk's exchange (the whole layer's at 1 chunk)
+
+    def checked(expert_x, group_sizes, params):
+        expert_y = run_experts(expert_x, group_sizes, params)
         if tuple(getattr(expert_y, "shape", ())) != tuple(expert_x.shape):
             raise ValueError(f"{api}: experts must return expert_y of shape (expert_rows, hidden) "
                              f"= {tuple(expert_x.shape)}, got "
                              f"{tuple(getattr(expert_y, 'shape', ()))}")
-        return combine(expert_y, handle), handle
+        return expert_y
 
-    if config.is_dropless:  # one round holds every pair any routing can send
+    def layer_once(x, ids, weights, params):
+        expert_x, handle = dispatch(x, ids, weights, one)
+        return combine(checked(expert_x, handle.group_sizes, params), handle), handle
+
+    if one.is_dropless and chunks == 1:  # one round holds every pair any routing can send
         y, handle = layer_once(x, topk_ids, topk_weights, params)
         rounds = jnp.ones((1,), jnp.int32)
-    else:  # rounds of at most config.expert_rows pairs per rank until every pair is served
+    else:
+        handle = None
         topk_ids = check_topk_ids(api, topk_ids, config.tokens_per_rank, config.topk)
         topk_weights = jnp.asarray(topk_weights)
         check_float(api, "topk_weights", topk_weights, topk_ids.shape)
-        ids, weights = merge_repeats(topk_ids, topk_weights)
         if experts is not None:
-            # the experts' closed-over arrays become explicit parameters: the rounds' VJP
-            # differentiates them (examples typed like expert_x and group_sizes: varying as x)
+            # the experts' closed-over arrays become explicit parameters: the custom VJPs of the
+            # pipeline and the rounds differentiate them (examples typed like expert_x and
+            # group_sizes: varying as x)
             converted, params = jax.closure_convert(
-                experts, match_vma(jnp.zeros((config.expert_rows, H), x.dtype), x),
+                experts, match_vma(jnp.zeros((one.expert_rows, H), x.dtype), x),
                 match_vma(jnp.zeros((L,), jnp.int32), x))
             run_experts = lambda ex, gs, p: converted(ex, gs, *p)
-        y, rounds = run_rounds(lambda *a: layer_once(*a)[0], x, ids, weights, params, config)
-        handle, rounds = None, rounds[None]
+        if one.is_dropless:  # chunks, each one round: the pipeline
+            y = run_pipeline(checked, config, chunks, x, topk_ids, topk_weights, params)
+            rounds = jnp.full((1,), chunks, jnp.int32)
+        else:  # rounds of at most one.expert_rows pairs per rank, chunk after chunk
+            ids, weights = merge_repeats(topk_ids, topk_weights)
+            T_c = one.tokens_per_rank
+            ys, rounds = [], 0
+            for c in range(chunks):
+                part = slice(c * T_c, (c + 1) * T_c)
+                y_c, r_c = run_rounds(lambda *a: layer_once(*a)[0], x[part], ids[part],
+                                      weights[part], params, one)
+                ys.append(y_c)
+                rounds = rounds + r_c
+            y, rounds = jnp.concatenate(ys), rounds[None]
     if all(shared):
         u = jnp.dot(x, shared_w_in, preferred_element_type=jnp.float32).astype(x.dtype)
         y = (y.astype(jnp.float32) + jnp.dot(swiglu(u, s_inter), shared_w_out,

@@ -1,0 +1,225 @@
+"""The MoE layer as a pipeline of token chunks (``EPConfig.num_chunks``).
+
+The layer's ``T`` tokens are split into ``C`` chunks of ``T / C`` tokens; each chunk is a whole
+dispatch, experts and combine of its own (:func:`chunk_config`). They are issued so that the
+exchanges of one chunk run while the experts of another compute::
+
+    dispatch 0
+    step c = 0 .. C-1:   start dispatch c+1, start combine c-1 | experts c | finish both
+    combine C-1
+
+Dispatch and combine are step generators (:func:`ep_comm.routes.drive`): everything up to an
+exchange runs when a chunk is started, the exchange is issued
+(:func:`ep_comm.ragged.ragged_all_to_all_start`: on the nccl transport it runs on the engine's
+own CUDA stream until its done) and the rest runs when the chunk is finished. Optimization
+barriers pin the order XLA may not change: the experts of chunk ``c`` take, through a barrier,
+the started exchanges' buffers (so they are issued after the starts) and the dones take the
+experts' output (so they wait behind the experts); a start is issued after the previous step's
+experts. The other transports complete an exchange at its start: the schedule is the same,
+without concurrency, and so are the results.
+
+Only the first chunk's dispatch and the last chunk's combine run alone: ``(C - 1) / C`` of the
+exchange time can hide under the experts. The hierarchical plan's second stage runs when its
+chunk is finished (after its first stage), so only its first stage overlaps.
+
+Results equal the unchunked layer's: every token's rows go through the same experts and its
+combine sums the same terms in the same order (a GEMM's rows do not depend on the other rows of
+its group, up to the kernel's choice of tiling).
+
+Differentiation: a custom VJP. The forward keeps each chunk's expert VJP (the GEMMs' residuals,
+as plain autodiff does), its ``expert_y`` and its handle; the backward pass runs, chunk by chunk,
+the VJP of combine, of the experts and of dispatch (dispatch's and combine's forward are traced
+again for their VJPs: one more pair of exchanges per chunk; the GEMMs are not recomputed). The
+backward pass is not pipelined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import topology
+from ep_comm import plan as plans
+from ep_comm.config import EPConfig
+from ep_comm.moe import combine, combine_steps, dispatch, dispatch_steps
+from ep_comm.ragged import ragged_all_to_all_done
+from ep_comm.routes import is_local
+
+MAX_AUTO_CHUNKS = 16
+
+
+def chunk_config(cfg: EPConfig, chunks: int) -> EPConfig:
+    """The configuration of one of ``chunks`` chunks: ``tokens_per_rank / chunks`` tokens, and
+    ``recv_capacity`` kept when it is below the chunk's worst case (else the chunk's worst
+    case)."""
+    tokens = cfg.tokens_per_rank // chunks
+    one = dataclasses.replace(cfg, tokens_per_rank=tokens, recv_capacity=None, num_chunks=1)
+    if cfg.recv_capacity is not None and cfg.recv_capacity < one.worst_case_rows:
+        one = dataclasses.replace(one, recv_capacity=cfg.recv_capacity)
+    return one
+
+
+def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | None,
+                   api: str = "moe_layer") -> int:
+    """``cfg.num_chunks``, with ``"auto"`` resolved by the cost model: the divisor ``C`` of
+    ``tokens_per_rank`` (up to :data:`MAX_AUTO_CHUNKS`) with the smallest
+    :meth:`topology.CostModel.pipeline_seconds` for balanced routing. ``flops_per_row``: expert
+    FLOPs per (token, expert) row (``None``: unknown, which ``"auto"`` cannot work with)."""
+    if cfg.num_chunks != "auto":
+        return cfg.num_chunks
+    if flops_per_row is None:
+        raise ValueError(f"{api}: num_chunks='auto' estimates the experts' time from the SwiGLU "
+                         f"weights w_in/w_out; with experts= give num_chunks as an int")
+    model = cfg.cost_model or topology.CostModel()
+    T, K, L = cfg.tokens_per_rank, cfg.topk, cfg.experts_per_rank
+    best, best_s = 1, None
+    for c in range(1, min(T, MAX_AUTO_CHUNKS) + 1):
+        if T % c:
+            continue
+        one = chunk_config(cfg, c)
+        kind = plans.resolve(one, hidden, dtype, api).kind
+        if is_local(one, kind):
+            ex = 0.0
+        else:
+            topo = plans.machine(one, api, need=kind != "flat") or topology.simulated(
+                1, cfg.num_ranks)
+            ex = plans.predict(one, topo, hidden, dtype)[kind]["total"]
+        rows = one.tokens_per_rank * K  # (token, expert) rows per rank per chunk, balanced
+        s = model.pipeline_seconds(c, ex, rows * flops_per_row, rows / L)
+        if best_s is None or s < best_s * (1 - 1e-9):
+            best, best_s = c, s
+    return best
+
+
+class _Chunk:
+    """One step generator (a chunk's dispatch or combine) under the pipeline: its next exchanges
+    started, later finished (the rest of the generator then runs at once)."""
+
+    _NOT_YET = object()
+
+    def __init__(self, steps, scope: str):
+        self.steps, self.scope = steps, scope
+        self.pending = ()
+        self.value = self._NOT_YET
+
+    def start(self, after=None):
+        with jax.named_scope(self.scope):
+            try:
+                requests = next(self.steps)
+            except StopIteration as stop:  # nothing to exchange (one rank, local route)
+                self.value = stop.value
+                return
+            if after is not None:  # issued after `after` is computed
+                requests = [dataclasses.replace(r, operand=_after(r.operand, after))
+                            for r in requests]
+            self.pending = tuple(r.start() for r in requests)
+
+    def in_flight(self) -> tuple:
+        """The started exchanges' buffers: work tied to them is issued after the starts."""
+        return tuple(p.result for p in self.pending)
+
+    def finish(self, after=None):
+        with jax.named_scope(self.scope):
+            if self.value is not self._NOT_YET:
+                return self.value
+            results = []
+            for p in self.pending:
+                if after is not None:  # the done waits behind `after`
+                    result, workspace = _after((p.result, p.workspace), after)
+                    p = dataclasses.replace(p, result=result, workspace=workspace)
+                results.append(ragged_all_to_all_done(p))
+            try:
+                requests = self.steps.send(tuple(results))
+                while True:
+                    requests = self.steps.send(tuple(r.run() for r in requests))
+            except StopIteration as stop:
+                return stop.value
+
+
+def _after(value, after):
+    """``value``, ordered after ``after`` in XLA's schedule (an optimization barrier)."""
+    return lax.optimization_barrier((value, after))[0]
+
+
+def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, params):
+    """The layer's output ``(T, H)`` over ``chunks`` pipelined chunks. ``run_experts(expert_x,
+    group_sizes, params)`` -> ``expert_y``; it may not close over traced values (``params`` is
+    its differentiable pytree of arrays). ``ids``/``weights`` as :func:`ep_comm.dispatch` takes
+    them."""
+    return _pipeline(run_experts, chunk_config(cfg, chunks), chunks, x, ids, weights, params)
+
+
+def _split(a, chunks):
+    return a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _pipeline(run_experts, one, chunks, x, ids, weights, params):
+    return _forward(run_experts, one, chunks, x, ids, weights, params, keep=False)[0]
+
+
+def _forward(run_experts, one, chunks, x, ids, weights, params, keep):
+    xs, idss, ws = (_split(a, chunks) for a in (x, ids, weights))
+    disp = [_Chunk(dispatch_steps(xs[c], idss[c], ws[c], one), f"ep_comm_chunk{c}/dispatch")
+            for c in range(chunks)]
+    disp[0].start()
+    ready = disp[0].finish()
+    ys, saved = [None] * chunks, []
+    prev, comb = None, None
+    for c in range(chunks):
+        nxt = disp[c + 1] if c + 1 < chunks else None
+        if nxt is not None:
+            nxt.start(after=prev)
+        if comb is not None:
+            comb.start()
+        expert_x, handle = ready
+        flying = (nxt.in_flight() if nxt else ()) + (comb.in_flight() if comb else ())
+        if flying:
+            expert_x = _after(expert_x, flying)
+        with jax.named_scope(f"ep_comm_chunk{c}/experts"):
+            if keep:
+                expert_y, vjp = jax.vjp(
+                    lambda e, p, gs=handle.group_sizes: run_experts(e, gs, p), expert_x, params)
+            else:
+                expert_y, vjp = run_experts(expert_x, handle.group_sizes, params), None
+        if nxt is not None:
+            ready = nxt.finish(after=expert_y)
+        if comb is not None:
+            ys[c - 1] = comb.finish(after=expert_y)
+        comb = _Chunk(combine_steps(expert_y, handle), f"ep_comm_chunk{c}/combine")
+        saved.append((expert_y, handle, vjp))
+        prev = expert_y
+    comb.start()
+    ys[chunks - 1] = comb.finish()
+    return jnp.concatenate(ys), saved
+
+
+def _pipeline_fwd(run_experts, one, chunks, x, ids, weights, params):
+    y, saved = _forward(run_experts, one, chunks, x, ids, weights, params, keep=True)
+    return y, (x, ids, weights, params, saved)
+
+
+def _pipeline_bwd(run_experts, one, chunks, res, g):
+    x, ids, weights, params, saved = res
+    xs, idss, ws, gs = (_split(a, chunks) for a in (x, ids, weights, g))
+    f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+    dxs, dws, dparams = [], [], None
+    for c, (expert_y, handle, vjp) in enumerate(saved):
+        d_y, d_handle = jax.vjp(combine, expert_y, handle)[1](gs[c].astype(expert_y.dtype))
+        d_x_experts, d_p = vjp(d_y)
+        _, dispatch_vjp = jax.vjp(lambda a, w, i=idss[c]: dispatch(a, i, w, one), xs[c], ws[c])
+        d_x, d_w = dispatch_vjp((d_x_experts, d_handle))
+        dxs.append(d_x)
+        dws.append(d_w)
+        dparams = f32(d_p) if dparams is None else jax.tree.map(jnp.add, dparams, f32(d_p))
+    return (jnp.concatenate(dxs).astype(x.dtype), np.zeros(ids.shape, jax.dtypes.float0),
+            jnp.concatenate(dws).astype(weights.dtype),
+            jax.tree.map(lambda d, a: d.astype(a.dtype), dparams, params))
+
+
+_pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
