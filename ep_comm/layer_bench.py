@@ -23,6 +23,7 @@ reference by more than the dtype's tolerance (layer: rank 0's first 64 tokens). 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -317,6 +318,119 @@ def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, fa
                 ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results)
 
 
+def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, chunk_counts,
+                   profile=None, with_grad=True):
+    """The chunked pipeline (``EPConfig.num_chunks``) against the experts alone.
+
+    ``experts alone``: the SwiGLU grouped GEMMs over the whole dispatched buffer, nothing else
+    (the ceiling the layer approaches when its exchanges hide under them and its other passes
+    are small). Per chunk count: the layer's forward time and its ratio to the experts alone,
+    ``#wrong`` against the one-chunk layer, whether the compiled schedule is the pipeline's
+    (:func:`ep_comm.pipeline.check_schedule`), and with ``profile`` the exchange kernels' time
+    and the part of it that ran while an expert GEMM kernel ran, from a profiler trace. On one
+    device the layer exchanges nothing (its route is local): ``EP_COMM_LOCAL_EXCHANGE=1`` is set
+    here so that one rank runs its exchanges through the transport (a self-exchange), as it
+    would with peers."""
+    from ep_comm import pipeline
+
+    os.environ["EP_COMM_LOCAL_EXCHANGE"] = "1"
+    mesh = jax.make_mesh((jax.device_count(),), ("ep",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    n = mesh.shape["ep"]
+    T, H, I, E, K = tokens, hidden, inter, experts, topk
+    rng = np.random.default_rng(3)
+    ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K].astype(np.int32)
+    w = rng.random((n * T, K)).astype(np.float32)
+    x = (rng.standard_normal((n * T, H)) * 0.5).astype(dtype)
+    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(dtype)
+    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(dtype)
+    put = lambda a: ep_comm.distributed.global_array(a, NamedSharding(mesh, P("ep")))
+    args = tuple(map(put, (x, ids, w, w_in, w_out)))
+    smap = lambda f, out=P("ep"): jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
+                                                        out_specs=out))
+    base = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T)
+    ex, handle = smap(functools.partial(ep_comm.dispatch, config=base))(*args[:3])
+    gs = handle.group_sizes
+    alone = smap(lambda e, g, wi, wo: ep_comm.swiglu_experts(e, g, wi, wo))
+    t_alone = median_us(alone, (ex, gs, args[3], args[4]), warmup, iters)
+    del ex, handle
+    results = [dict(chunks="experts alone", time_us=t_alone, x_experts=1.0)]
+    print(f"  experts alone: {t_alone:.1f} us", flush=True)
+    ref = None
+    for C in chunk_counts:
+        cfg = dataclasses.replace(base, num_chunks=C)
+        f = lambda x, ids, w, wi, wo, cfg=cfg: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
+                                                                 w_out=wo)
+        fwd = smap(f)
+        chunks = pipeline.resolve_chunks(cfg, H, jnp.dtype(dtype), 6.0 * H * I)
+        y = np.asarray(ep_comm.distributed.to_host(fwd(*args)), np.float64)
+        if ref is None:
+            ref = y
+        eps = float(jnp.finfo(dtype).eps)
+        wrong = int(np.sum(np.abs(y - ref) > 4 * eps * (1 + np.abs(ref))))
+        t = median_us(fwd, args, warmup, iters)
+        order = pipeline.schedule_order(fwd.lower(*args).compile().as_text())
+        rep = dict(chunks=f"{C} ({chunks})" if C == "auto" else str(C), num_chunks=chunks,
+                   time_us=t, x_experts=t / t_alone, wrong_vs_1=wrong,
+                   schedule=("pipeline" if chunks == 1 or not pipeline.check_schedule(
+                       order, chunks) else "; ".join(pipeline.check_schedule(order, chunks)[:2])),
+                   order=pipeline.order_summary(order))
+        if profile:
+            rep.update(_overlap_in_trace(os.path.join(profile, f"chunks{chunks}"), fwd, args))
+        if with_grad and C in (1, "auto"):
+            loss = lambda *a, f=f: jnp.sum(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
+                                                         out_specs=P("ep"))(*a).astype(
+                                                             jnp.float32) ** 2)
+            bwd = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
+            rep["fwd_bwd_us"] = median_us(bwd, args, warmup, iters)
+        print(f"  num_chunks={rep['chunks']}: {t:.1f} us, {t / t_alone:.3f}x experts alone, "
+              f"#wrong {wrong}, schedule {rep['schedule']}, overlapped "
+              f"{rep.get('overlapped_fraction', float('nan')):.3f}"
+              + (f", fwd+bwd {rep['fwd_bwd_us']:.1f} us" if "fwd_bwd_us" in rep else ""),
+              flush=True)
+        results.append(rep)
+    return dict(kind="overlap", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
+                                            experts=E, topk=K, dtype=jnp.dtype(dtype).name,
+                                            backend=ep_comm.EPConfig.backend),
+                ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results)
+
+
+_EXCHANGE_KERNELS = ("self_copy", "nccl", "pack_kernel", "publish_kernel")
+
+
+def _overlap_in_trace(folder, fn, args):
+    """Exchange kernel time in one call's trace, and the part of it spent while an expert GEMM
+    kernel ran (on another stream)."""
+    os.makedirs(folder, exist_ok=True)
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(folder):
+        for _ in range(3):
+            jax.block_until_ready(fn(*args))
+    kernels = trace_kernels(folder)
+    if kernels is None:
+        return {"trace_error": f"no trace under {folder}"}
+    comm = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels
+                  if any(s in k["name"] for s in _EXCHANGE_KERNELS))
+    gemm = []  # the union of GEMM kernel intervals
+    for a, b in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels if _is_gemm(k)):
+        if gemm and a <= gemm[-1][1]:
+            gemm[-1][1] = max(gemm[-1][1], b)
+        else:
+            gemm.append([a, b])
+    both = sum(max(0.0, min(c1, g1) - max(c0, g0)) for c0, c1 in comm for g0, g1 in gemm)
+    total = sum(b - a for a, b in comm)
+    return dict(exchange_kernel_us=total / 3, overlapped_us=both / 3,
+                overlapped_fraction=both / total if total else float("nan"),
+                gemm_kernel_us=sum(b - a for a, b in gemm) / 3,
+                exchange_streams=sorted({k["stream"] for k in kernels
+                                         if any(s in k["name"] for s in _EXCHANGE_KERNELS)}))
+
+
+def _is_gemm(k):
+    return any(s in k["name"].lower() for s in (
+        "ragged", "gemm", "nvjet", "cutlass", "matmul", "sm90", "wgmma", "dot"))
+
+
 def _max_load(ids, n, E):
     L = E // n
     distinct = np.sort(ids, axis=1)
@@ -348,8 +462,7 @@ def _profile_split(folder, fn, args):
     kernels = trace_kernels(folder)
     if kernels is None:
         return {"error": f"no trace under {folder}"}
-    is_gemm = lambda k: any(s in k["name"].lower() for s in (
-        "ragged", "gemm", "nvjet", "cutlass", "matmul", "sm90", "wgmma", "dot"))
+    is_gemm = _is_gemm
     total = sum(k["dur"] for k in kernels) / 3
     gemm = sum(k["dur"] for k in kernels if is_gemm(k)) / 3
     top = {}
@@ -379,6 +492,23 @@ def table(rep) -> str:
             lines.append(f"{r['routing']:<16}{r['capacity']:>9d}{r['x_balanced']:>7.2f}"
                          f"{r['max_load']:>9d}{r['rounds']:>7d}{r['time_us']:>11.1f}{ratio}"
                          f"{temp}{r['dropped']:>8d}{wrong}")
+        return "\n".join(lines)
+    if rep["kind"] == "overlap":
+        c = rep["config"]
+        lines = [head + f"# moe_layer as a pipeline of num_chunks chunks: {rep['ranks']} rank(s), "
+                 f"{c['tokens_per_rank']} tokens/rank, top-{c['topk']} of {c['experts']}, H="
+                 f"{c['hidden']}, I={c['intermediate']}, {c['dtype']}; x experts = time / the "
+                 f"experts' grouped GEMMs alone; overlap = exchange kernel time while a GEMM "
+                 f"kernel ran / exchange kernel time (trace)",
+                 f"{'num_chunks':<12}{'time(us)':>10}{'x experts':>10}{'fwd+bwd':>10}"
+                 f"{'exch(us)':>10}{'overlap':>9}{'#wrong':>8}  schedule"]
+        for r in rep["results"]:
+            fb = f"{r['fwd_bwd_us']:>10.1f}" if "fwd_bwd_us" in r else f"{'-':>10}"
+            ex = (f"{r['exchange_kernel_us']:>10.1f}{r['overlapped_fraction']:>9.3f}"
+                  if "exchange_kernel_us" in r else f"{'-':>10}{'-':>9}")
+            wrong = f"{r['wrong_vs_1']:>8d}" if "wrong_vs_1" in r else f"{'-':>8}"
+            lines.append(f"{r['chunks']:<12}{r['time_us']:>10.1f}{r['x_experts']:>10.3f}{fb}{ex}"
+                         f"{wrong}  {r.get('schedule', '')}")
         return "\n".join(lines)
     if rep["kind"] == "gemm":
         c = rep["config"]
@@ -426,7 +556,9 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--parts", default="gemm,layer",
-                    help="comma-separated: gemm, layer, rounds")
+                    help="comma-separated: gemm, layer, rounds, overlap")
+    ap.add_argument("--chunks", default="1,2,4,8,auto",
+                    help="overlap: the num_chunks values to run (comma-separated)")
     ap.add_argument("--rounds-factor", type=float, default=2.0,
                     help="rounds: capacity per round in balanced rows (T * topk) per rank")
     ap.add_argument("--tune", action="store_true",
@@ -464,6 +596,11 @@ def main(argv=None):
         if "rounds" in parts:
             yield rounds_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
                                 args.warmup, args.iters, args.rounds_factor)
+        if "overlap" in parts:
+            yield overlap_report(args.tokens, args.hidden, args.intermediate, E, args.topk,
+                                 dtype, args.warmup, args.iters,
+                                 [c if c == "auto" else int(c) for c in args.chunks.split(",")],
+                                 args.profile)
         if "layer" in parts:
             yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
                                args.warmup, args.iters, args.implementation, args.xla_max_gib,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -223,3 +224,94 @@ def _pipeline_bwd(run_experts, one, chunks, res, g):
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+# --- checking the schedule -----------------------------------------------------------------------
+
+_SCOPE = re.compile(r'op_name="[^"]*ep_comm_chunk(\d+)/(dispatch|experts|combine)')
+_CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    comps, name, entry = {}, None, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(2)
+            comps[name] = []
+            if head.group(1):
+                entry = name
+        elif name is not None and line.startswith(" "):
+            comps[name].append(line)
+    return comps, entry
+
+
+def schedule_order(hlo_text: str) -> list[tuple[int, str, str]]:
+    """The chunk work of a compiled (scheduled) module in execution order: ``(chunk, part,
+    kind)`` for each instruction of the entry computation (and of the computations it ``call``s,
+    such as command buffers) that :func:`run_pipeline` scoped: ``part`` ``dispatch``, ``experts``
+    or ``combine``; ``kind`` ``start`` / ``done`` (the engine's exchange custom calls), ``a2a``
+    (an XLA all-to-all: a transport that completes at start), or ``op``."""
+    comps, entry = _computations(hlo_text)
+    out = []
+
+    def walk(name, depth=0):
+        for line in comps.get(name, ()):
+            called = _CALLED.search(line)
+            if " call(" in line and called and depth < 4:
+                walk(called.group(1), depth + 1)
+                continue
+            m = _SCOPE.search(line)
+            if m is None:
+                continue
+            kind = ("start" if "ep_comm_nccl_start" in line else
+                    "done" if "ep_comm_nccl_done" in line else
+                    "a2a" if "all-to-all" in line else "op")
+            out.append((int(m.group(1)), m.group(2), kind))
+    walk(entry)
+    return out
+
+
+def check_schedule(order: list[tuple[int, str, str]], chunks: int) -> list[str]:
+    """What in ``order`` (:func:`schedule_order`) breaks the pipeline: for every step ``c``, the
+    exchanges of dispatch ``c + 1`` and combine ``c - 1`` must be issued (``start``; ``a2a`` on
+    transports that finish at start) before the first op of experts ``c``, and (``done``) not
+    finished before its last op. Empty when the schedule is the pipeline's."""
+    where = {}
+    for i, key in enumerate(order):
+        where.setdefault(key, []).append(i)
+    problems = []
+    for c in range(chunks):
+        ops = where.get((c, "experts", "op"))
+        if not ops:
+            problems.append(f"chunk {c}: no expert ops in the schedule")
+            continue
+        for other, part in ((c + 1, "dispatch"), (c - 1, "combine")):
+            if not 0 <= other < chunks:
+                continue
+            issued = where.get((other, part, "start")) or where.get((other, part, "a2a"))
+            if not issued:
+                problems.append(f"{part} of chunk {other}: no exchange in the schedule")
+                continue
+            if max(issued) > min(ops):
+                problems.append(f"{part} of chunk {other} is issued after experts of chunk {c} "
+                                f"begin")
+            done = where.get((other, part, "done"), [])
+            if done and min(done) < max(ops):
+                problems.append(f"{part} of chunk {other} is finished before experts of chunk {c} "
+                                f"end")
+    return problems
+
+
+def order_summary(order: list[tuple[int, str, str]]) -> str:
+    """:func:`schedule_order` in short: ``D1s`` (dispatch of chunk 1 started), ``D1d`` (done),
+    ``D1x`` (an XLA all-to-all), ``E0`` (a run of chunk 0's expert ops); other ops left out."""
+    out = []
+    for c, part, kind in order:
+        if kind == "op" and part != "experts":
+            continue
+        tok = (f"E{c}" if kind == "op" else
+               f"{part[0].upper()}{c}{dict(start='s', done='d', a2a='x')[kind]}")
+        if not out or out[-1] != tok:
+            out.append(tok)
+    return " ".join(out)
