@@ -21,7 +21,9 @@ agree, rows inside both buffers, same shapes and config tag); ill-formed transfe
 both ends alike (no hang) and the call fails with a message naming ranks, segments and values.
 A peer that never arrives fails the call after ``EP_COMM_TIMEOUT_S`` seconds (default 300; the
 engine reads it, like ``EP_COMM_NCCL_SELF``, once per communicator when it is created, never per
-call) and leaves the communicator aborted.
+call) and leaves the communicator aborted. ``EP_COMM_SELF_COPY_BLOCKS=k`` (read the same way) caps
+the self-copy kernel at ``k`` blocks per segment: a diagnostic that gives a one-GPU self exchange a
+peer link's time and SM footprint, so that its overlap with other work can be measured.
 
 The primitive ``ep_comm_ragged_exchange`` carries ``lax.ragged_all_to_all``'s rules: it is linear in
 ``operand`` and ``output`` (jvp applies the same exchange to tangents; the transpose is the reverse

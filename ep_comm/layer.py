@@ -146,7 +146,9 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                       "(intermediate, hidden)")
 
     chunks = resolve_chunks(config, H, x.dtype,
-                            None if experts is not None else 6.0 * H * inter, api)
+                            None if experts is not None else 6.0 * H * inter,
+                            0.0 if experts is not None else (w_in.size + w_out.size)
+                            * x.dtype.itemsize, api=api)
     one = chunk_config(config, chunks)  # one chunk's exchange (the whole layer's at 1 chunk)
 
     def checked(expert_x, group_sizes, params):

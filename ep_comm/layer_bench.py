@@ -362,7 +362,8 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
         f = lambda x, ids, w, wi, wo, cfg=cfg: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
                                                                  w_out=wo)
         fwd = smap(f)
-        chunks = pipeline.resolve_chunks(cfg, H, jnp.dtype(dtype), 6.0 * H * I)
+        chunks = pipeline.resolve_chunks(cfg, H, jnp.dtype(dtype), 6.0 * H * I,
+                                         3.0 * (E // n) * H * I * jnp.dtype(dtype).itemsize)
         y = np.asarray(ep_comm.distributed.to_host(fwd(*args)), np.float64)
         if ref is None:
             ref = y

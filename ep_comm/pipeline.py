@@ -66,11 +66,12 @@ def chunk_config(cfg: EPConfig, chunks: int) -> EPConfig:
 
 
 def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | None,
-                   api: str = "moe_layer") -> int:
+                   weight_bytes: float = 0.0, api: str = "moe_layer") -> int:
     """``cfg.num_chunks``, with ``"auto"`` resolved by the cost model: the divisor ``C`` of
     ``tokens_per_rank`` (up to :data:`MAX_AUTO_CHUNKS`) with the smallest
     :meth:`topology.CostModel.pipeline_seconds` for balanced routing. ``flops_per_row``: expert
-    FLOPs per (token, expert) row (``None``: unknown, which ``"auto"`` cannot work with)."""
+    FLOPs per (token, expert) row (``None``: unknown, which ``"auto"`` cannot work with);
+    ``weight_bytes``: this rank's expert weights."""
     if cfg.num_chunks != "auto":
         return cfg.num_chunks
     if flops_per_row is None:
@@ -91,7 +92,7 @@ def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | Non
                 1, cfg.num_ranks)
             ex = plans.predict(one, topo, hidden, dtype)[kind]["total"]
         rows = one.tokens_per_rank * K  # (token, expert) rows per rank per chunk, balanced
-        s = model.pipeline_seconds(c, ex, rows * flops_per_row, rows / L)
+        s = model.pipeline_seconds(c, ex, rows * flops_per_row, rows / L, weight_bytes)
         if best_s is None or s < best_s * (1 - 1e-9):
             best, best_s = c, s
     return best

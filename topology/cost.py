@@ -51,15 +51,19 @@ class Link:
 class CostModel:
     """Per-link-class :class:`Link` parameters, and what the chunked MoE layer's choice of
     ``num_chunks`` needs besides (:meth:`pipeline_seconds`): ``gemm_flops``, the experts' grouped
-    GEMM rate in FLOP/s (H200 bf16 through tokamax: about 550e12 measured, see
-    docs/bench/h200x1_layer), and ``step_seconds``, the fixed cost of one pipeline step (a chunk's
-    layout, count gather and launches: about 30 us on an H200)."""
+    GEMM rate in FLOP/s, ``weight_bytes_per_s``, the rate at which a grouped GEMM streams its
+    expert weights (every chunk reads all of them again), and ``step_seconds``, the fixed cost
+    of one pipeline step (a chunk's layout, count gather and launches). The defaults fit an H200
+    with tokamax's bf16 kernels at the DeepSeek-V3 shape (docs/bench/h200x1_overlap: the up
+    projection took 3.1 ms over 32768 rows and 1.03 ms over 8192, both GEMMs reading 2.8 GB of
+    weights)."""
 
     self: Link = Link(2e-6, 1.6e12)
     nvlink: Link = Link(3e-6, 160e9)
     pcie: Link = Link(5e-6, 40e9)
     network: Link = Link(8e-6, 45e9)
-    gemm_flops: float = 550e12
+    gemm_flops: float = 700e12
+    weight_bytes_per_s: float = 5.5e12
     step_seconds: float = 30e-6
 
     def __post_init__(self):
@@ -67,7 +71,8 @@ class CostModel:
             if not isinstance(getattr(self, c), Link):
                 raise TypeError(f"CostModel: {c} must be a topology.Link, got "
                                 f"{type(getattr(self, c)).__name__}")
-        for name, low in (("gemm_flops", 0.0), ("step_seconds", None)):
+        for name, low in (("gemm_flops", 0.0), ("weight_bytes_per_s", 0.0),
+                          ("step_seconds", None)):
             v = getattr(self, name)
             if (not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v)
                     or (v <= 0 if low is not None else v < 0)):
@@ -75,27 +80,31 @@ class CostModel:
                                  f"{'> 0' if low is not None else '>= 0'}, got {v!r}")
 
     def pipeline_seconds(self, chunks: int, exchange_seconds: float, flops: float,
-                         rows_per_group: float, tile_rows: int = 128) -> float:
+                         rows_per_group: float, weight_bytes: float = 0.0,
+                         tile_rows: int = 128) -> float:
         """Predicted seconds of the MoE layer run as a pipeline of ``chunks`` token chunks.
 
         ``exchange_seconds``: one chunk's dispatch + combine exchanges; ``flops``: one chunk's
-        expert FLOPs; ``rows_per_group``: rows each local expert gets in one chunk (balanced).
-        The first chunk's dispatch and the last chunk's combine run alone; every other exchange
-        runs under the experts of a neighbouring chunk, so each step takes the longer of its
-        experts and its exchanges. A grouped GEMM pads each group to whole ``tile_rows`` tiles:
-        small chunks pay for the padding. Every step pays ``step_seconds``."""
-        positive = lambda v: isinstance(v, (int, float)) and np.isfinite(v) and v >= 0
-        if not isinstance(chunks, int) or chunks < 1:
+        expert FLOPs; ``rows_per_group``: rows each local expert gets in one chunk (balanced);
+        ``weight_bytes``: the local experts' weights, which every chunk's GEMMs read again. One
+        chunk's experts take ``flops / gemm_flops + weight_bytes / weight_bytes_per_s``, with
+        each group padded to whole ``tile_rows`` tiles. The first chunk's dispatch and the last
+        chunk's combine run alone; every other exchange runs under the experts of a neighbouring
+        chunk, so each step takes the longer of its experts and its exchanges. Every step pays
+        ``step_seconds``."""
+        positive = lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+                              and np.isfinite(v) and v >= 0)
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"CostModel.pipeline_seconds: chunks must be a positive int, "
                              f"got {chunks!r}")
         for name, v in (("exchange_seconds", exchange_seconds), ("flops", flops),
-                        ("rows_per_group", rows_per_group)):
+                        ("rows_per_group", rows_per_group), ("weight_bytes", weight_bytes)):
             if not positive(v):
                 raise ValueError(f"CostModel.pipeline_seconds: {name} must be a finite number "
                                  f">= 0, got {v!r}")
         pad = (np.ceil(rows_per_group / tile_rows) * tile_rows / rows_per_group
                if rows_per_group > 0 else 1.0)
-        gemm = flops * pad / self.gemm_flops
+        gemm = flops * pad / self.gemm_flops + weight_bytes / self.weight_bytes_per_s
         steps = chunks * max(gemm, exchange_seconds) if chunks > 1 else gemm
         return float(exchange_seconds + steps + chunks * self.step_seconds)
 

@@ -71,6 +71,7 @@ struct CommState {
   // Read from the environment once, when the communicator is created (never per call):
   double timeout_s = 300.0;                  // EP_COMM_TIMEOUT_S
   bool self_via_nccl = false;                // EP_COMM_NCCL_SELF=1
+  int self_copy_blocks = 0;                   // EP_COMM_SELF_COPY_BLOCKS (0: as many as useful)
   Fault fault = Fault::kNone;                // EP_COMM_FAULT (tests only)
   std::mutex mu;
   // The payload watchdog: a thread (started by the first exchange with peers) that aborts the
@@ -195,7 +196,9 @@ void launch_self_copy(const CommState& st, const char* in, char* out, const Self
   auto blocks_for = [&](int64_t width) {
     const int64_t elems = max_rows * row_bytes / width;
     int64_t b = (elems + threads - 1) / threads;
-    return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, 4LL * st.sm_count)));
+    b = std::min<int64_t>(b, 4LL * st.sm_count);
+    if (st.self_copy_blocks > 0) b = std::min<int64_t>(b, st.self_copy_blocks);
+    return static_cast<unsigned>(std::max<int64_t>(1, b));
   };
   const auto aligned = [&](int64_t w) {
     return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(in) % w == 0 &&
@@ -611,6 +614,11 @@ void init(int64_t key, const std::vector<Member>& members) {
     st->timeout_s = timeout_seconds();
     const char* via = std::getenv("EP_COMM_NCCL_SELF");
     st->self_via_nccl = via != nullptr && via[0] == '1';
+    // EP_COMM_SELF_COPY_BLOCKS=k: the self-copy kernel runs k blocks per segment, a link of a
+    // few SMs' bandwidth (a diagnostic: on one GPU it gives the self exchange a peer link's time
+    // and SM footprint, to see it overlap other work)
+    const char* blocks = std::getenv("EP_COMM_SELF_COPY_BLOCKS");
+    st->self_copy_blocks = blocks != nullptr ? std::max(0, std::atoi(blocks)) : 0;
     st->fault = fault_injection();
     states.push_back(std::move(st));
   }
