@@ -1,0 +1,348 @@
+"""moe_layer as a pipeline of token chunks (``EPConfig.num_chunks``): the same results and
+gradients as one chunk and as a dense reference, with rounds inside chunks, exchanges that do not
+wait for other chunks' experts, the schedule check, ``"auto"`` and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, seed, settings, strategies as st
+
+import ep_comm
+import topology
+from conftest import BASE_SEED
+from ep_comm import pipeline
+from moe_reference import dense_swiglu_moe, routing
+from test_rounds import max_load, routings
+
+T, K, H, I = 8, 3, 4, 5
+SETTINGS = settings(max_examples=8 if jax.process_count() == 1 else 2, deadline=None,
+                    database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+def config(n, chunks, capacity=None, **kw):
+    return ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T,
+                            recv_capacity=capacity, num_chunks=chunks, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_and_grads(sharded, cfg):
+    def f(x, ids, w, w_in, w_out, cot):
+        def loss(x, w, w_in, w_out):
+            y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out)
+            return jax.lax.psum(jnp.sum(y * cot), "ep")
+        out = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out, return_handle=True)
+        return (out.y, out.rounds) + jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, w_in, w_out)
+    return sharded.smap(f)
+
+
+def _inputs(rng, n, kind):
+    E = 4 * n
+    ids = routing(rng, kind, n, T, K, E)
+    ids[0, 1] = ids[0, 0]  # a repeated expert: merged into one pair
+    ids[1, 2] = -1  # a masked slot
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    w = rng.random((n * T, K)).astype(np.float32)
+    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    cot = rng.standard_normal((n * T, H)).astype(np.float32)
+    return ids, x, w, w_in, w_out, cot
+
+
+NAMES = ("y", "d x", "d topk_weights", "d w_in", "d w_out")
+
+
+@pytest.mark.parametrize("kind,chunks", [
+    ("random", 2), pytest.param("skewed", 4, marks=pytest.mark.multiprocess),
+    ("one_expert", 4), ("empty_ranks", 2)])
+def test_chunks_equal_one_chunk_and_the_dense_layer_with_gradients(sharded, n, rng, kind,
+                                                                    chunks):
+    ids, x, w, w_in, w_out, cot = _inputs(rng, n, kind)
+    args = sharded.put(x, ids, w, w_in, w_out, cot)
+    one = sharded.get(layer_and_grads(sharded, config(n, 1))(*args))
+    got = sharded.get(layer_and_grads(sharded, config(n, chunks))(*args))
+    assert np.all(one[1] == 1) and np.all(got[1] == chunks), (one[1], got[1])
+    for name, g, r in zip(NAMES, got[:1] + got[2:], one[:1] + one[2:]):
+        # a token's rows go through the same experts and sums in either case; the weight
+        # gradients add the chunks' parts in another order (float32 reassociation)
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+    # and the dense single-device layer, differentiated by JAX, in float64
+    with jax.enable_x64():
+        f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+        ref_y, ref_vjp = jax.vjp(lambda x, w, wi, wo: dense_swiglu_moe(x, ids, w, wi, wo),
+                                 f64(x), f64(w), f64(w_in), f64(w_out))
+        refs = (ref_y,) + ref_vjp(f64(cot))
+        refs = jax.tree.map(np.asarray, refs)
+    for name, g, r in zip(NAMES, got[:1] + got[2:], refs):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-4 * (1 + np.abs(r).max()),
+                                   err_msg=f"{name} against the dense layer")
+
+
+@functools.lru_cache(maxsize=None)
+def identity_layer(sharded, cfg):
+    def f(x, ids, w):
+        out = ep_comm.moe_layer(x, ids, w, cfg, experts=lambda ex, gs: ex, return_handle=True)
+        return out.y, out.rounds
+    return sharded.smap(f)
+
+
+def chunk_rounds(ids, n, chunks, capacity):
+    """Rounds the layer takes: per chunk (every rank's tokens [c T/C, (c+1) T/C)), the busiest
+    rank's pairs over the capacity, summed over chunks."""
+    Tc = T // chunks
+    total = 0
+    for c in range(chunks):
+        part = np.concatenate([ids[r * T + c * Tc: r * T + (c + 1) * Tc] for r in range(n)])
+        per_chunk_worst = n * Tc * min(K, 4)
+        cap = capacity if capacity is not None and capacity < per_chunk_worst else None
+        total += 1 if cap is None else max(1, math.ceil(max_load(part, n, 4 * n) / cap))
+    return total
+
+
+@pytest.mark.multiprocess
+@seed(BASE_SEED)
+@SETTINGS
+@given(data=st.data())
+def test_every_pair_served_once_in_chunks_and_rounds(sharded, n, data):
+    ids = data.draw(routings(n))
+    chunks = data.draw(st.sampled_from([2, 4]))
+    capacity = data.draw(st.sampled_from([None, 3, T * K // 2]))
+    cfg = config(n, chunks, capacity)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    w = rng.uniform(0.1, 1.0, (n * T, K)).astype(np.float32)
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    y, rounds = sharded.get(identity_layer(sharded, cfg)(*sharded.put(x, ids, w)))
+    # a pair served twice or never would change y by w * x: weights are at least 0.1
+    want = np.sum(np.where(ids >= 0, w, 0.0), axis=1, keepdims=True) * x.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert np.all(rounds == chunk_rounds(ids, n, chunks, capacity)), (
+        rounds, chunk_rounds(ids, n, chunks, capacity))
+
+
+def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, rng):
+    ids, x, w, w_in, w_out, cot = _inputs(rng, n, "skewed")
+    args = sharded.put(x, ids, w, w_in, w_out, cot)
+    worst = sharded.get(layer_and_grads(sharded, config(n, 1))(*args))
+    got = sharded.get(layer_and_grads(sharded, config(n, 2, capacity=2))(*args))
+    assert np.all(got[1] == chunk_rounds(ids, n, 2, 2))
+    for name, g, r in zip(NAMES, got[:1] + got[2:], worst[:1] + worst[2:]):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+
+
+def test_chunks_differentiate_arrays_the_user_experts_close_over(sharded, n, rng):
+    E = 4 * n
+    ids = routing(rng, "random", n, T, K, E)
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    w = rng.random((n * T, K)).astype(np.float32)
+    W = (rng.standard_normal((E, H, H)) / np.sqrt(H)).astype(np.float32)
+
+    def grads(cfg):
+        def f(x, ids, w, W_local):
+            def loss(x, w, W_local):
+                y = ep_comm.moe_layer(x, ids, w, cfg, experts=lambda ex, gs: jnp.tanh(
+                    ep_comm.grouped_matmul(ex, W_local, gs)))
+                return jax.lax.psum(jnp.sum(y ** 2), "ep")
+            return jax.grad(loss, argnums=(0, 1, 2))(x, w, W_local)
+        return sharded.get(sharded.smap(f)(*sharded.put(x, ids, w, W)))
+
+    for name, g, r in zip(("d x", "d w", "d W"), grads(config(n, 4)), grads(config(n, 1))):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+
+
+# --- what the pipeline issues in what order ----------------------------------------------------
+
+_SCOPE = re.compile(r"ep_comm_chunk(\d+)/(dispatch|experts|combine)")
+_CALLS = ("pjit", "jit", "shard_map", "custom_vjp_call", "custom_jvp_call", "closed_call")
+
+
+def exchange_dependencies(closed_jaxpr, full_barriers: bool):
+    """Trace-order events of the program: ``("x", chunk, part, deps)`` for every all-to-all of a
+    chunk's dispatch or combine, ``("e", chunk, deps)`` for every op of a chunk's experts;
+    ``deps``: the labels its inputs depend on (``("e", c)`` experts of chunk ``c``, ``("x", c,
+    part)`` that chunk's exchanges). An optimization barrier makes its output ``i`` depend on its
+    input ``i`` only (data), or on every input (``full_barriers``: the order XLA keeps)."""
+    events = []
+
+    def run(jaxpr, in_deps):
+        env = dict(zip(jaxpr.invars, in_deps))
+        get = lambda a: env.get(a, frozenset()) if not hasattr(a, "val") else frozenset()  # noqa
+        for e in jaxpr.eqns:
+            ins = [get(a) for a in e.invars]
+            union = frozenset().union(*ins)
+            m = _SCOPE.search(str(e.source_info.name_stack))
+            sub = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+            if e.primitive.name == "optimization_barrier":
+                outs = [union] * len(e.outvars) if full_barriers else ins
+            elif sub is not None and e.primitive.name in _CALLS:
+                outs = run(getattr(sub, "jaxpr", sub), ins)
+            else:
+                outs = [union] * len(e.outvars)
+                if m and e.primitive.name == "all_to_all":
+                    events.append(("x", int(m.group(1)), m.group(2), union))
+                    outs = [union | {("x", int(m.group(1)), m.group(2))}] * len(e.outvars)
+                elif m and m.group(2) == "experts":
+                    events.append(("e", int(m.group(1)), union))
+                    outs = [union | {("e", int(m.group(1)))}] * len(e.outvars)
+            for v, d in zip(e.outvars, outs):
+                env[v] = d
+        return [get(v) for v in jaxpr.outvars]
+
+    run(closed_jaxpr.jaxpr, [frozenset()] * len(closed_jaxpr.jaxpr.invars))
+    return events
+
+
+def test_exchanges_do_not_wait_for_other_chunks_experts_and_experts_wait_for_the_starts(
+        sharded, n):
+    C = 4
+    cfg = config(n, C)
+    f = sharded.smap(lambda x, ids, w, wi, wo: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
+                                                                 w_out=wo))
+    args = sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
+                       np.ones((n * T, K), np.float32), np.zeros((4 * n, H, 2 * I), np.float32),
+                       np.zeros((4 * n, I, H), np.float32))
+    jaxpr = jax.make_jaxpr(f)(*args)
+    data = exchange_dependencies(jaxpr, full_barriers=False)
+    exchanges = [e for e in data if e[0] == "x"]
+    assert {(c, p) for _, c, p, _ in exchanges} == {(c, p) for c in range(C)
+                                                  for p in ("dispatch", "combine")}
+    for _, c, part, deps in exchanges:
+        experts = {d[1] for d in deps if d[0] == "e"}
+        # a chunk's dispatch needs no experts; its combine needs its own experts only
+        assert experts == (set() if part == "dispatch" else {c}) or (
+            part == "combine" and experts <= {c}), (c, part, experts)
+    # in trace order: the exchanges of dispatch c+1 and combine c-1 come before chunk c's experts
+    pos = {}
+    for i, e in enumerate(data):
+        key = (e[1], e[2]) if e[0] == "x" else (e[1], "experts")
+        pos.setdefault(key, []).append(i)
+    for c in range(C):
+        first = min(pos[(c, "experts")])
+        if c + 1 < C:
+            assert max(pos[(c + 1, "dispatch")]) < first
+        if c >= 1:
+            assert max(pos[(c - 1, "combine")]) < first
+    # and the barriers tie them: with barriers as dependencies, experts c come after both
+    ordered = exchange_dependencies(jaxpr, full_barriers=True)
+    for c in range(C):
+        deps = frozenset().union(*(e[2] for e in ordered if e[0] == "e" and e[1] == c))
+        if c + 1 < C:
+            assert ("x", c + 1, "dispatch") in deps, c
+        if c >= 1:
+            assert ("x", c - 1, "combine") in deps, c
+
+
+GPU_SCHEDULE = """\
+HloModule jit_f, is_scheduled=true
+
+%command_buffer (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %g1 = f32[8]{0} custom-call(%p), custom_call_target="mosaic_gpu", metadata={op_name="jit(f)/ep_comm_chunk{E}/experts/dot_general"}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %s1 = (f32[8]{0}, s64[4]{0}) custom-call(%a), custom_call_target="ep_comm_nccl_start", metadata={op_name="jit(f)/ep_comm_chunk1/dispatch/x"}
+  %g0 = f32[8]{0} custom-call(%a), custom_call_target="mosaic_gpu", metadata={op_name="jit(f)/ep_comm_chunk0/experts/dot_general"}
+  %d1 = f32[8]{0} custom-call(%s1), custom_call_target="ep_comm_nccl_done", metadata={op_name="jit(f)/ep_comm_chunk1/dispatch/x"}
+  %s0 = (f32[8]{0}, s64[4]{0}) custom-call(%g0), custom_call_target="ep_comm_nccl_start", metadata={op_name="jit(f)/ep_comm_chunk0/combine/x"}
+  %c = f32[8]{0} call(%d1), to_apply=%command_buffer
+  %d0 = f32[8]{0} custom-call(%s0), custom_call_target="ep_comm_nccl_done", metadata={op_name="jit(f)/ep_comm_chunk0/combine/x"}
+  ROOT %t = f32[8]{0} add(%c, %d0)
+}
+"""
+
+
+def test_schedule_check_reads_a_compiled_gpu_schedule():
+    good = GPU_SCHEDULE.replace("{E}", "1")
+    order = pipeline.schedule_order(good)
+    assert order == [(1, "dispatch", "start"), (0, "experts", "op"), (1, "dispatch", "done"),
+                     (0, "combine", "start"), (1, "experts", "op"), (0, "combine", "done")]
+    assert pipeline.check_schedule(order, 2) == []
+    assert pipeline.order_summary(order) == "D1s E0 D1d C0s E1 C0d"
+    # a done moved before the experts it should wait behind, and a missing start
+    bad = good.replace('%d0 = f32[8]{0} custom-call(%s0), custom_call_target="ep_comm_nccl_done"',
+                       '%d0 = f32[8]{0} custom-call(%s0), custom_call_target="ep_comm_nccl_done"')
+    lines = bad.splitlines()
+    i_c = next(i for i, l in enumerate(lines) if "to_apply=%command_buffer" in l)
+    i_d = next(i for i, l in enumerate(lines) if "%d0 =" in l)
+    lines[i_c], lines[i_d] = lines[i_d], lines[i_c]
+    assert pipeline.check_schedule(pipeline.schedule_order("\n".join(lines)), 2) == [
+        "combine of chunk 0 is finished before experts of chunk 1 end"]
+    no_start = good.replace('custom_call_target="ep_comm_nccl_start", metadata={op_name='
+                            '"jit(f)/ep_comm_chunk1', 'custom_call_target="x", metadata={op_name='
+                            '"jit(f)/other')
+    assert pipeline.check_schedule(pipeline.schedule_order(no_start), 2) == [
+        "dispatch of chunk 1: no exchange in the schedule"]
+
+
+# --- choosing num_chunks, and bad input -----------------------------------------------------------
+
+def test_auto_chunks_follow_the_cost_model(n):
+    H_big, I_big = 7168, 2048
+    flops, weights = 6.0 * H_big * I_big, 3.0 * 4 * H_big * I_big * 2
+    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=8, tokens_per_rank=4096,
+                           num_chunks="auto")
+    # one rank: nothing is exchanged, chunks only re-read the weights
+    one_rank = ep_comm.EPConfig("ep", num_ranks=1, num_experts=4, topk=4, tokens_per_rank=4096,
+                                num_chunks="auto")
+    assert pipeline.resolve_chunks(one_rank, H_big, jnp.bfloat16, flops, weights) == 1
+    # slow links: the exchange rivals the experts, and hiding it pays for the re-reads
+    slow = topology.CostModel(self=topology.Link(2e-6, 20e9), nvlink=topology.Link(3e-6, 20e9))
+    if n > 1:
+        c = pipeline.resolve_chunks(dataclasses.replace(cfg, cost_model=slow), H_big,
+                                    jnp.bfloat16, flops, weights)
+        assert c > 1 and 4096 % c == 0, c
+    m = topology.CostModel()
+    args = (1e-3, 1e12, 256.0, 1e9)
+    assert m.pipeline_seconds(1, *args) == pytest.approx(
+        1e-3 + 1e12 / m.gemm_flops + 1e9 / m.weight_bytes_per_s + m.step_seconds)
+    # four chunks: a quarter of the exchange alone, then four steps of the longer of the two
+    q = (0.25e-3, 0.25e12, 64.0, 1e9)
+    gemm = 0.25e12 * 2 / m.gemm_flops + 1e9 / m.weight_bytes_per_s  # 64 rows pad to 128
+    assert m.pipeline_seconds(4, *q) == pytest.approx(0.25e-3 + 4 * max(gemm, 0.25e-3)
+                                                      + 4 * m.step_seconds)
+
+
+def test_num_chunks_bad_input(sharded, n):
+    with pytest.raises(ValueError, match="EPConfig: num_chunks=3 must divide tokens_per_rank=8 "
+                                         r"\(every chunk is an exchange of the same size\)"):
+        config(n, 3)
+    for bad in (0, -2, 1.5, True, "many"):
+        with pytest.raises(ValueError, match="EPConfig: num_chunks must be a positive int or "
+                                             f"'auto', got {re.escape(repr(bad))}"):
+            config(n, bad)
+    with pytest.raises(ValueError, match="CostModel: weight_bytes_per_s must be a finite "
+                                         "number > 0, got 0"):
+        topology.CostModel(weight_bytes_per_s=0)
+    with pytest.raises(ValueError, match="CostModel.pipeline_seconds: chunks must be a positive "
+                                         "int, got 0"):
+        topology.CostModel().pipeline_seconds(0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="CostModel.pipeline_seconds: flops must be a finite "
+                                         "number >= 0, got -1.0"):
+        topology.CostModel().pipeline_seconds(2, 1.0, -1.0, 1.0)
+    cfg = config(n, "auto")
+    with pytest.raises(ValueError, match="moe_layer: num_chunks='auto' estimates the experts' "
+                                         "time from the SwiGLU weights w_in/w_out; with experts= "
+                                         "give num_chunks as an int"):
+        sharded.smap(lambda x, ids, w: ep_comm.moe_layer(x, ids, w, cfg,
+                                                         experts=lambda ex, gs: ex))(
+            *sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
+                         np.zeros((n * T, K), np.float32)))
+    with pytest.raises(ValueError, match="moe_layer: topk_weights must be a floating array of "
+                                         r"shape \(8, 3\), got int32 \(8, 3\)"):
+        sharded.smap(lambda x, ids, w: ep_comm.moe_layer(
+            x, ids, w.astype(jnp.int32), config(n, 2), experts=lambda ex, gs: ex))(
+                *sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
+                             np.zeros((n * T, K), np.float32)))
