@@ -378,7 +378,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
                    order=pipeline.order_summary(order))
         if profile:
             rep.update(_overlap_in_trace(os.path.join(profile, f"chunks{chunks}"), fwd, args))
-        if with_grad and C in (1, "auto"):
+        if with_grad and C in (1, 4):
             loss = lambda *a, f=f: jnp.sum(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
                                                          out_specs=P("ep"))(*a).astype(
                                                              jnp.float32) ** 2)
