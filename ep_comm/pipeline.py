@@ -12,10 +12,12 @@ Dispatch and combine are step generators (:func:`ep_comm.routes.drive`): everyth
 exchange runs when a chunk is started, the exchange is issued
 (:func:`ep_comm.ragged.ragged_all_to_all_start`: on the nccl transport it runs on the engine's
 own CUDA stream until its done) and the rest runs when the chunk is finished. Optimization
-barriers pin the order XLA may not change: the experts of chunk ``c`` take, through a barrier,
-the started exchanges' buffers (so they are issued after the starts) and the dones take the
-experts' output (so they wait behind the experts); a start is issued after the previous step's
-experts. The other transports complete an exchange at its start: the schedule is the same,
+barriers pin the order XLA may not change (XLA:GPU schedules before it removes them; XLA:CPU
+removes them first, which on CPU only changes the order of work that does not overlap anyway): the
+experts of chunk ``c`` take, through a barrier, the started exchanges' buffers (so they are issued
+after the starts), the dones take the experts' output (so they wait behind the experts), and the
+starts take chunk ``c``'s expanded rows (so they start right before its experts, not under the
+non-GEMM work before them). The other transports complete an exchange at its start: the schedule is the same,
 without concurrency, and so are the results.
 
 Only the first chunk's dispatch and the last chunk's combine run alone: ``(C - 1) / C`` of the
@@ -172,14 +174,15 @@ def _forward(run_experts, one, chunks, x, ids, weights, params, keep):
     disp[0].start()
     ready = disp[0].finish()
     ys, saved = [None] * chunks, []
-    prev, comb = None, None
+    comb = None
     for c in range(chunks):
         nxt = disp[c + 1] if c + 1 < chunks else None
-        if nxt is not None:
-            nxt.start(after=prev)
-        if comb is not None:
-            comb.start()
         expert_x, handle = ready
+        # both exchanges start once this chunk's rows are in place, right before its experts
+        if nxt is not None:
+            nxt.start(after=expert_x)
+        if comb is not None:
+            comb.start(after=expert_x)
         flying = (nxt.in_flight() if nxt else ()) + (comb.in_flight() if comb else ())
         if flying:
             expert_x = _after(expert_x, flying)
@@ -195,7 +198,6 @@ def _forward(run_experts, one, chunks, x, ids, weights, params, keep):
             ys[c - 1] = comb.finish(after=expert_y)
         comb = _Chunk(combine_steps(expert_y, handle), f"ep_comm_chunk{c}/combine")
         saved.append((expert_y, handle, vjp))
-        prev = expert_y
     comb.start()
     ys[chunks - 1] = comb.finish()
     return jnp.concatenate(ys), saved

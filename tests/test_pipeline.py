@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, seed, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
 import topology
@@ -165,6 +166,8 @@ def test_chunks_differentiate_arrays_the_user_experts_close_over(sharded, n, rng
 
 _SCOPE = re.compile(r"ep_comm_chunk(\d+)/(dispatch|experts|combine)")
 _CALLS = ("pjit", "jit", "shard_map", "custom_vjp_call", "custom_jvp_call", "closed_call")
+# what carries an exchange in a jaxpr: the portable transport's all-to-alls, the engine's start
+_EXCHANGES = ("all_to_all", "ep_comm_ragged_exchange_start", "ep_comm_ragged_exchange")
 
 
 def exchange_dependencies(closed_jaxpr, full_barriers: bool):
@@ -189,7 +192,7 @@ def exchange_dependencies(closed_jaxpr, full_barriers: bool):
                 outs = run(getattr(sub, "jaxpr", sub), ins)
             else:
                 outs = [union] * len(e.outvars)
-                if m and e.primitive.name == "all_to_all":
+                if m and e.primitive.name in _EXCHANGES:
                     events.append(("x", int(m.group(1)), m.group(2), union))
                     outs = [union | {("x", int(m.group(1)), m.group(2))}] * len(e.outvars)
                 elif m and m.group(2) == "experts":
@@ -204,7 +207,8 @@ def exchange_dependencies(closed_jaxpr, full_barriers: bool):
 
 
 def test_exchanges_do_not_wait_for_other_chunks_experts_and_experts_wait_for_the_starts(
-        sharded, n):
+        sharded, n, monkeypatch):
+    monkeypatch.setenv("EP_COMM_LOCAL_EXCHANGE", "1")  # one rank (one GPU) exchanges too
     C = 4
     cfg = config(n, C)
     f = sharded.smap(lambda x, ids, w, wi, wo: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
@@ -287,12 +291,35 @@ def test_schedule_check_reads_a_compiled_gpu_schedule():
         "dispatch of chunk 1: no exchange in the schedule"]
 
 
+def test_one_rank_exchanging_through_its_transport_gives_the_local_result(rng, monkeypatch):
+    """EP_COMM_LOCAL_EXCHANGE=1 (the one-GPU benchmarks' switch): one rank runs its exchanges
+    through the transport instead of its local route, with the same results."""
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:1])
+    ids, x, w, w_in, w_out, _ = _inputs(rng, 1, "random")
+    cfg = config(1, 2)
+    f = lambda: jax.jit(jax.shard_map(  # noqa: E731 (traced anew: the switch is read then)
+        lambda x, ids, w, wi, wo: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo),
+        mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w, w_in, w_out)]
+    exchanges = lambda fn: [e for e in exchange_dependencies(  # noqa: E731
+        jax.make_jaxpr(fn)(*args), False) if e[0] == "x"]
+    local = f()
+    assert exchanges(local) == []
+    monkeypatch.setenv("EP_COMM_LOCAL_EXCHANGE", "1")
+    exchanged = f()
+    assert {(c, part) for _, c, part, _ in exchanges(exchanged)} == {
+        (c, part) for c in range(2) for part in ("dispatch", "combine")}
+    np.testing.assert_allclose(np.asarray(exchanged(*args)), np.asarray(local(*args)),
+                               rtol=1e-6, atol=1e-6)
+
+
 # --- choosing num_chunks, and bad input -----------------------------------------------------------
 
 def test_auto_chunks_follow_the_cost_model(n):
     H_big, I_big = 7168, 2048
     flops, weights = 6.0 * H_big * I_big, 3.0 * 4 * H_big * I_big * 2
-    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=8, tokens_per_rank=4096,
+    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=8 * n, topk=8, tokens_per_rank=4096,
                            num_chunks="auto")
     # one rank: nothing is exchanged, chunks only re-read the weights
     one_rank = ep_comm.EPConfig("ep", num_ranks=1, num_experts=4, topk=4, tokens_per_rank=4096,
