@@ -304,6 +304,7 @@ def test_one_rank_exchanging_through_its_transport_gives_the_local_result(rng, m
     args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w, w_in, w_out)]
     exchanges = lambda fn: [e for e in exchange_dependencies(  # noqa: E731
         jax.make_jaxpr(fn)(*args), False) if e[0] == "x"]
+    monkeypatch.delenv("EP_COMM_LOCAL_EXCHANGE", raising=False)
     local = f()
     assert exchanges(local) == []
     monkeypatch.setenv("EP_COMM_LOCAL_EXCHANGE", "1")
