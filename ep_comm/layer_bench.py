@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ep_comm
 from collectives.timing import emit, hardware, median_us, trace_kernels
 from ep_comm import gemm as gm
+from ep_comm import pipeline
 
 # tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N. The
 # weight-gradient kernel (drhs) runs a plain (M/bm, N/bn, groups) grid: persistence and grid order
@@ -331,8 +332,6 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     device the layer exchanges nothing (its route is local): ``EP_COMM_LOCAL_EXCHANGE=1`` is set
     here so that one rank runs its exchanges through the transport (a self-exchange), as it
     would with peers."""
-    from ep_comm import pipeline
-
     os.environ["EP_COMM_LOCAL_EXCHANGE"] = "1"
     mesh = jax.make_mesh((jax.device_count(),), ("ep",),
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -373,8 +372,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
         order = pipeline.schedule_order(fwd.lower(*args).compile().as_text())
         rep = dict(chunks=f"{C} ({chunks})" if C == "auto" else str(C), num_chunks=chunks,
                    time_us=t, x_experts=t / t_alone, wrong_vs_1=wrong,
-                   schedule=("pipeline" if chunks == 1 or not pipeline.check_schedule(
-                       order, chunks) else "; ".join(pipeline.check_schedule(order, chunks)[:2])),
+                   schedule=_schedule_verdict(order, chunks),
                    order=pipeline.order_summary(order))
         if profile:
             rep.update(_overlap_in_trace(os.path.join(profile, f"chunks{chunks}"), fwd, args))
@@ -394,6 +392,14 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
                                             experts=E, topk=K, dtype=jnp.dtype(dtype).name,
                                             backend=ep_comm.EPConfig.backend),
                 ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results)
+
+
+def _schedule_verdict(order, chunks):
+    problems = [] if chunks == 1 else pipeline.check_schedule(order, chunks)
+    verdict = "pipeline" if not problems else "; ".join(problems[:2])
+    if jax.default_backend() == "cpu":  # no concurrency there, and no barriers when it schedules
+        verdict = f"XLA:CPU, barriers removed before scheduling: {verdict}"
+    return verdict
 
 
 _EXCHANGE_KERNELS = ("self_copy", "nccl", "pack_kernel", "publish_kernel")

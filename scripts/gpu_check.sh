@@ -7,7 +7,8 @@
 # engine's exchange at four sizes. STEPS picks steps (default: all of
 # build,tests,exchange,dispatch,topology; `sanitize` -- compute-sanitizer memcheck of the row
 # kernels' tests -- and `layer` -- the MoE layer and grouped GEMM sweep with
-# tokamax from .whl/, see below -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
+# tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
+# (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
 # named); nvidia-ml-py is installed from wheels/ when the image
 # lacks it. Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
@@ -73,6 +74,21 @@ if step layer; then
   "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
     --topk 8 ${LAYER_ARGS:---tune} --profile /tmp/layer_profile --json "$OUT/layer.json" 2>&1 \
     | tee "$OUT/layer.txt"
+fi
+if step overlap; then
+  echo "== MoE layer as a pipeline of chunks: tests, then the overlap bench at full and held-back self-copy speed"
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
+  fi
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_layer.py 2>&1 | tail -3 \
+    | tee "$OUT/overlap_tests.txt"
+  for B in 0 4; do
+    CH=$([ "$B" = 0 ] && echo 1,4,auto || echo 1,2,4,8)
+    EP_COMM_SELF_COPY_BLOCKS=$B "$PY" -m ep_comm.layer_bench --parts overlap --tokens 4096 \
+      --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --iters 10 --warmup 2 --chunks "$CH" \
+      --profile "/tmp/ovl$B" --json "$OUT/overlap_blocks$B.json" 2>&1 | tee "$OUT/overlap_blocks$B.txt"
+  done
 fi
 if step lifecycle; then
   echo "== lifecycle: bootstrap -> exchange -> finalize cycles (NCCL), GPU memory against before"
