@@ -408,12 +408,7 @@ _EXCHANGE_KERNELS = ("self_copy", "nccl", "pack_kernel", "publish_kernel")
 def _overlap_in_trace(folder, fn, args):
     """Exchange kernel time in one call's trace, and the part of it spent while an expert GEMM
     kernel ran (on another stream)."""
-    os.makedirs(folder, exist_ok=True)
-    jax.block_until_ready(fn(*args))
-    with jax.profiler.trace(folder):
-        for _ in range(3):
-            jax.block_until_ready(fn(*args))
-    kernels = trace_kernels(folder)
+    kernels = _traced(folder, fn, args)
     if kernels is None:
         return {"trace_error": f"no trace under {folder}"}
     comm = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels
@@ -459,22 +454,27 @@ def _layer_reference(x, ids, w, w_in, w_out, dtype):
     return y
 
 
-def _profile_split(folder, fn, args):
-    """GPU kernel time of one call from a profiler trace: GEMM kernels vs the rest."""
+def _traced(folder, fn, args):
+    """The GPU kernels of 3 calls of ``fn`` (after one untraced call), from a profiler trace
+    written under ``folder``; ``None`` when no trace was written."""
     os.makedirs(folder, exist_ok=True)
     jax.block_until_ready(fn(*args))
     with jax.profiler.trace(folder):
         for _ in range(3):
             jax.block_until_ready(fn(*args))
-    kernels = trace_kernels(folder)
+    return trace_kernels(folder)
+
+
+def _profile_split(folder, fn, args):
+    """GPU kernel time of one call from a profiler trace: GEMM kernels vs the rest."""
+    kernels = _traced(folder, fn, args)
     if kernels is None:
         return {"error": f"no trace under {folder}"}
-    is_gemm = _is_gemm
     total = sum(k["dur"] for k in kernels) / 3
-    gemm = sum(k["dur"] for k in kernels if is_gemm(k)) / 3
+    gemm = sum(k["dur"] for k in kernels if _is_gemm(k)) / 3
     top = {}
     for k in kernels:
-        if not is_gemm(k):
+        if not _is_gemm(k):
             top[k["name"][:50]] = top.get(k["name"][:50], 0) + k["dur"] / 3
     top = sorted(top.items(), key=lambda kv: -kv[1])[:8]
     return dict(kernel_us=total, gemm_us=gemm, other_us=total - gemm,

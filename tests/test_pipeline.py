@@ -5,7 +5,6 @@ wait for other chunks' experts, the schedule check, ``"auto"`` and bad input."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -21,7 +20,7 @@ import topology
 from conftest import BASE_SEED
 from ep_comm import pipeline
 from moe_reference import dense_swiglu_moe, routing
-from test_rounds import max_load, routings
+from test_rounds import max_load, routings, served_once, swiglu_layer_and_grads
 
 T, K, H, I = 8, 3, 4, 5
 SETTINGS = settings(max_examples=8 if jax.process_count() == 1 else 2, deadline=None,
@@ -33,17 +32,6 @@ SETTINGS = settings(max_examples=8 if jax.process_count() == 1 else 2, deadline=
 def config(n, chunks, capacity=None, **kw):
     return ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T,
                             recv_capacity=capacity, num_chunks=chunks, **kw)
-
-
-@functools.lru_cache(maxsize=None)
-def layer_and_grads(sharded, cfg):
-    def f(x, ids, w, w_in, w_out, cot):
-        def loss(x, w, w_in, w_out):
-            y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out)
-            return jax.lax.psum(jnp.sum(y * cot), "ep")
-        out = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out, return_handle=True)
-        return (out.y, out.rounds) + jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, w_in, w_out)
-    return sharded.smap(f)
 
 
 def _inputs(rng, n, kind):
@@ -69,8 +57,8 @@ def test_chunks_equal_one_chunk_and_the_dense_layer_with_gradients(sharded, n, r
                                                                     chunks):
     ids, x, w, w_in, w_out, cot = _inputs(rng, n, kind)
     args = sharded.put(x, ids, w, w_in, w_out, cot)
-    one = sharded.get(layer_and_grads(sharded, config(n, 1))(*args))
-    got = sharded.get(layer_and_grads(sharded, config(n, chunks))(*args))
+    one = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1))(*args))
+    got = sharded.get(swiglu_layer_and_grads(sharded, config(n, chunks))(*args))
     assert np.all(one[1] == 1) and np.all(got[1] == chunks), (one[1], got[1])
     for name, g, r in zip(NAMES, got[:1] + got[2:], one[:1] + one[2:]):
         # a token's rows go through the same experts and sums in either case; the weight
@@ -87,14 +75,6 @@ def test_chunks_equal_one_chunk_and_the_dense_layer_with_gradients(sharded, n, r
     for name, g, r in zip(NAMES, got[:1] + got[2:], refs):
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-4 * (1 + np.abs(r).max()),
                                    err_msg=f"{name} against the dense layer")
-
-
-@functools.lru_cache(maxsize=None)
-def identity_layer(sharded, cfg):
-    def f(x, ids, w):
-        out = ep_comm.moe_layer(x, ids, w, cfg, experts=lambda ex, gs: ex, return_handle=True)
-        return out.y, out.rounds
-    return sharded.smap(f)
 
 
 def chunk_rounds(ids, n, chunks, capacity):
@@ -118,14 +98,7 @@ def test_every_pair_served_once_in_chunks_and_rounds(sharded, n, data):
     ids = data.draw(routings(n))
     chunks = data.draw(st.sampled_from([2, 4]))
     capacity = data.draw(st.sampled_from([None, 3, T * K // 2]))
-    cfg = config(n, chunks, capacity)
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
-    w = rng.uniform(0.1, 1.0, (n * T, K)).astype(np.float32)
-    x = rng.standard_normal((n * T, H)).astype(np.float32)
-    y, rounds = sharded.get(identity_layer(sharded, cfg)(*sharded.put(x, ids, w)))
-    # a pair served twice or never would change y by w * x: weights are at least 0.1
-    want = np.sum(np.where(ids >= 0, w, 0.0), axis=1, keepdims=True) * x.astype(np.float64)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    rounds = served_once(sharded, config(n, chunks, capacity), ids, data)
     assert np.all(rounds == chunk_rounds(ids, n, chunks, capacity)), (
         rounds, chunk_rounds(ids, n, chunks, capacity))
 
@@ -133,31 +106,10 @@ def test_every_pair_served_once_in_chunks_and_rounds(sharded, n, data):
 def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, rng):
     ids, x, w, w_in, w_out, cot = _inputs(rng, n, "skewed")
     args = sharded.put(x, ids, w, w_in, w_out, cot)
-    worst = sharded.get(layer_and_grads(sharded, config(n, 1))(*args))
-    got = sharded.get(layer_and_grads(sharded, config(n, 2, capacity=2))(*args))
+    worst = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1))(*args))
+    got = sharded.get(swiglu_layer_and_grads(sharded, config(n, 2, capacity=2))(*args))
     assert np.all(got[1] == chunk_rounds(ids, n, 2, 2))
     for name, g, r in zip(NAMES, got[:1] + got[2:], worst[:1] + worst[2:]):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
-                                   err_msg=name)
-
-
-def test_chunks_differentiate_arrays_the_user_experts_close_over(sharded, n, rng):
-    E = 4 * n
-    ids = routing(rng, "random", n, T, K, E)
-    x = rng.standard_normal((n * T, H)).astype(np.float32)
-    w = rng.random((n * T, K)).astype(np.float32)
-    W = (rng.standard_normal((E, H, H)) / np.sqrt(H)).astype(np.float32)
-
-    def grads(cfg):
-        def f(x, ids, w, W_local):
-            def loss(x, w, W_local):
-                y = ep_comm.moe_layer(x, ids, w, cfg, experts=lambda ex, gs: jnp.tanh(
-                    ep_comm.grouped_matmul(ex, W_local, gs)))
-                return jax.lax.psum(jnp.sum(y ** 2), "ep")
-            return jax.grad(loss, argnums=(0, 1, 2))(x, w, W_local)
-        return sharded.get(sharded.smap(f)(*sharded.put(x, ids, w, W)))
-
-    for name, g, r in zip(("d x", "d w", "d W"), grads(config(n, 4)), grads(config(n, 1))):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
                                    err_msg=name)
 

@@ -3,6 +3,7 @@ once, the same results and gradients as the single worst-case round, rounds = ce
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -73,6 +74,20 @@ def routings(n):
                      st.integers(0, 2**31)).map(make)
 
 
+def served_once(sharded, cfg, ids, data):
+    """Run the identity-expert layer on ``ids`` (random ``x`` and weights drawn from ``data``),
+    check every pair was served exactly once and return the rounds it reported."""
+    n = cfg.num_ranks
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    w = rng.uniform(0.1, 1.0, (n * T, K)).astype(np.float32)
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    y, rounds = sharded.get(identity_layer(sharded, cfg)(*sharded.put(x, ids, w)))
+    # a pair served twice or never would change y by w * x: weights are at least 0.1
+    want = np.sum(np.where(ids >= 0, w, 0.0), axis=1, keepdims=True) * x.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    return rounds
+
+
 @pytest.mark.multiprocess
 @seed(BASE_SEED)
 @SETTINGS
@@ -83,13 +98,7 @@ def test_every_pair_served_once_in_at_most_ceil_load_over_capacity_rounds(sharde
     capacity = data.draw(st.sampled_from([1, 3, T * K, 2 * T * K] if jax.process_count() == 1
                                          else [3, T * K]))
     cfg = config(n, capacity)
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
-    w = rng.uniform(0.1, 1.0, (n * T, K)).astype(np.float32)
-    x = rng.standard_normal((n * T, H)).astype(np.float32)
-    y, rounds = sharded.get(identity_layer(sharded, cfg)(*sharded.put(x, ids, w)))
-    # a pair served twice or never would change y by w * x: weights are at least 0.1
-    want = np.sum(np.where(ids >= 0, w, 0.0), axis=1, keepdims=True) * x.astype(np.float64)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    rounds = served_once(sharded, cfg, ids, data)
     load = max_load(ids, n, 4 * n)
     assert np.all(rounds == max(1, math.ceil(load / capacity))) if not cfg.is_dropless \
         else np.all(rounds == 1)
@@ -146,7 +155,11 @@ def test_rounds_bad_input(sharded, n):
         config(n, 0)
 
 
-def test_rounds_differentiate_arrays_the_user_experts_close_over(sharded, n, rng):
+@pytest.mark.parametrize("capacity,chunks", [(5, 1), (None, 4)])
+def test_rounds_and_chunks_differentiate_arrays_the_user_experts_close_over(sharded, n, rng,
+                                                                            capacity, chunks):
+    """Rounds (a capacity below the worst case) and the chunked pipeline (``num_chunks``) both
+    run user experts through a custom VJP: their closed-over arrays get gradients."""
     E = 4 * n
     ids = routing(rng, "random", n, T, K, E)
     x = rng.standard_normal((n * T, H)).astype(np.float32)
@@ -162,5 +175,7 @@ def test_rounds_differentiate_arrays_the_user_experts_close_over(sharded, n, rng
             return jax.grad(loss, argnums=(0, 1, 2))(x, w, W_local)
         return sharded.get(sharded.smap(f)(*sharded.put(x, ids, w, W)))
 
-    for g, r in zip(grads(config(n, 5)), grads(config(n, None))):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()))
+    bounded = dataclasses.replace(config(n, capacity), num_chunks=chunks)
+    for name, g, r in zip(("d x", "d w", "d W"), grads(bounded), grads(config(n, None))):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
