@@ -103,6 +103,21 @@ def test_every_pair_served_once_in_chunks_and_rounds(sharded, n, data):
         rounds, chunk_rounds(ids, n, chunks, capacity))
 
 
+def test_hierarchical_chunks_equal_one_chunk(sharded, n, rng):
+    """The hierarchical plan's two legs per exchange: the first overlaps, the second runs when
+    the chunk is finished."""
+    if n % 2:
+        pytest.skip(f"two simulated nodes need an even device count, got {n}")
+    kw = dict(plan="hierarchical", topology=topology.simulated(2, n // 2))
+    ids, x, w, w_in, w_out, cot = _inputs(rng, n, "skewed")
+    args = sharded.put(x, ids, w, w_in, w_out, cot)
+    one = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1, **kw))(*args))
+    got = sharded.get(swiglu_layer_and_grads(sharded, config(n, 4, **kw))(*args))
+    for name, g, r in zip(NAMES, got[:1] + got[2:], one[:1] + one[2:]):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+
+
 def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, rng):
     ids, x, w, w_in, w_out, cot = _inputs(rng, n, "skewed")
     args = sharded.put(x, ids, w, w_in, w_out, cot)
