@@ -145,6 +145,14 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         _check_weight(api, "shared_w_out", shared_w_out, (s_inter, H), x.dtype,
                       "(intermediate, hidden)")
 
+    dtype = x.dtype
+
+    def shared_expert(rows, weights):
+        """The shared SwiGLU expert over ``rows``, in float32."""
+        s_in, s_out = weights
+        u = jnp.dot(rows, s_in, preferred_element_type=jnp.float32).astype(dtype)
+        return jnp.dot(swiglu(u, s_out.shape[0]), s_out, preferred_element_type=jnp.float32)
+
     chunks = resolve_chunks(config, H, x.dtype,
                             None if experts is not None else 6.0 * H * inter,
                             0.0 if experts is not None else (w_in.size + w_out.size)
@@ -179,8 +187,13 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                 experts, match_vma(jnp.zeros((one.expert_rows, H), x.dtype), x),
                 match_vma(jnp.zeros((L,), jnp.int32), x))
             run_experts = lambda ex, gs, p: converted(ex, gs, *p)
-        if one.is_dropless:  # chunks, each one round: the pipeline
-            y = run_pipeline(checked, config, chunks, x, topk_ids, topk_weights, params)
+        if one.is_dropless:  # chunks, each one round: the pipeline (the shared expert in it)
+            y, side_y = run_pipeline(checked, config, chunks, x, topk_ids, topk_weights, params,
+                                     shared_expert if all(shared) else None,
+                                     (shared_w_in, shared_w_out) if all(shared) else ())
+            if side_y is not None:
+                y = (y.astype(jnp.float32) + side_y).astype(x.dtype)
+                shared = (False, False)  # added
             rounds = jnp.full((1,), chunks, jnp.int32)
         else:  # rounds of at most one.expert_rows pairs per rank, chunk after chunk
             ids, weights = merge_repeats(topk_ids, topk_weights)
@@ -194,8 +207,7 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                 rounds = rounds + r_c
             y, rounds = jnp.concatenate(ys), rounds[None]
     if all(shared):
-        u = jnp.dot(x, shared_w_in, preferred_element_type=jnp.float32).astype(x.dtype)
-        y = (y.astype(jnp.float32) + jnp.dot(swiglu(u, s_inter), shared_w_out,
-                                             preferred_element_type=jnp.float32)).astype(x.dtype)
+        y = (y.astype(jnp.float32) + shared_expert(x, (shared_w_in, shared_w_out))).astype(
+            x.dtype)
     y = y.astype(x.dtype)
     return MoEOutput(y, handle, rounds) if return_handle else y

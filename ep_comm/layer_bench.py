@@ -320,7 +320,7 @@ def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, fa
 
 
 def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, chunk_counts,
-                   profile=None, with_grad=True):
+                   profile=None, with_grad=True, shared_inter=0):
     """The chunked pipeline (``EPConfig.num_chunks``) against the experts alone.
 
     ``experts alone``: the SwiGLU grouped GEMMs over the whole dispatched buffer, nothing else
@@ -331,7 +331,8 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     and the part of it that ran while an expert GEMM kernel ran, from a profiler trace. On one
     device the layer exchanges nothing (its route is local): ``EP_COMM_LOCAL_EXCHANGE=1`` is set
     here so that one rank runs its exchanges through the transport (a self-exchange), as it
-    would with peers."""
+    would with peers. ``shared_inter``: a shared SwiGLU expert of that width (0: none), in the
+    layer and in the experts alone."""
     os.environ["EP_COMM_LOCAL_EXCHANGE"] = "1"
     mesh = jax.make_mesh((jax.device_count(),), ("ep",),
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -344,22 +345,33 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(dtype)
     w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(dtype)
     put = lambda a: ep_comm.distributed.global_array(a, NamedSharding(mesh, P("ep")))
-    args = tuple(map(put, (x, ids, w, w_in, w_out)))
+    Is = shared_inter
+    shared = ((rng.standard_normal((n, H, 2 * Is)) / np.sqrt(H)).astype(dtype),
+              (rng.standard_normal((n, Is, H)) / np.sqrt(Is)).astype(dtype)) if Is else ()
+    args = tuple(map(put, (x, ids, w, w_in, w_out) + shared))  # shared: one copy per rank
     smap = lambda f, out=P("ep"): jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
                                                         out_specs=out))
+    sw = lambda s: dict(shared_w_in=s[0][0], shared_w_out=s[1][0]) if s else {}  # noqa: E731
     base = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T)
     ex, handle = smap(functools.partial(ep_comm.dispatch, config=base))(*args[:3])
     gs = handle.group_sizes
-    alone = smap(lambda e, g, wi, wo: ep_comm.swiglu_experts(e, g, wi, wo))
-    t_alone = median_us(alone, (ex, gs, args[3], args[4]), warmup, iters)
+    def experts_alone(e, g, wi, wo, x, *s):
+        y = ep_comm.swiglu_experts(e, g, wi, wo)
+        if s:  # and the shared expert over the tokens
+            u = jnp.dot(x, s[0][0], preferred_element_type=jnp.float32).astype(x.dtype)
+            return y, jnp.dot(ep_comm.layer.swiglu(u, Is), s[1][0],
+                              preferred_element_type=jnp.float32)
+        return y
+    alone = smap(experts_alone)
+    t_alone = median_us(alone, (ex, gs, args[3], args[4], args[0], *args[5:]), warmup, iters)
     del ex, handle
     results = [dict(chunks="experts alone", time_us=t_alone, x_experts=1.0)]
     print(f"  experts alone: {t_alone:.1f} us", flush=True)
     ref = None
     for C in chunk_counts:
         cfg = dataclasses.replace(base, num_chunks=C)
-        f = lambda x, ids, w, wi, wo, cfg=cfg: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
-                                                                 w_out=wo)
+        f = lambda x, ids, w, wi, wo, *s, cfg=cfg: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
+                                                                     w_out=wo, **sw(s))
         fwd = smap(f)
         chunks = pipeline.resolve_chunks(cfg, H, jnp.dtype(dtype), 6.0 * H * I,
                                          3.0 * (E // n) * H * I * jnp.dtype(dtype).itemsize)
@@ -380,7 +392,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
             loss = lambda *a, f=f: jnp.sum(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
                                                          out_specs=P("ep"))(*a).astype(
                                                              jnp.float32) ** 2)
-            bwd = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
+            bwd = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4) + tuple(range(5, len(args)))))
             rep["fwd_bwd_us"] = median_us(bwd, args, warmup, iters)
         print(f"  num_chunks={rep['chunks']}: {t:.1f} us, {t / t_alone:.3f}x experts alone, "
               f"#wrong {wrong}, schedule {rep['schedule']}, overlapped "
@@ -390,6 +402,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
         results.append(rep)
     return dict(kind="overlap", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
                                             experts=E, topk=K, dtype=jnp.dtype(dtype).name,
+                                            shared_intermediate=Is,
                                             backend=ep_comm.EPConfig.backend),
                 ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results)
 
@@ -504,8 +517,9 @@ def table(rep) -> str:
         c = rep["config"]
         lines = [head + f"# moe_layer as a pipeline of num_chunks chunks: {rep['ranks']} rank(s), "
                  f"{c['tokens_per_rank']} tokens/rank, top-{c['topk']} of {c['experts']}, H="
-                 f"{c['hidden']}, I={c['intermediate']}, {c['dtype']}; x experts = time / the "
-                 f"experts' grouped GEMMs alone; overlap = exchange kernel time while a GEMM "
+                 f"{c['hidden']}, I={c['intermediate']}, shared expert I="
+                 f"{c.get('shared_intermediate', 0)}, {c['dtype']}; x experts = time / the "
+                 f"experts' GEMMs alone; overlap = exchange kernel time while a GEMM "
                  f"kernel ran / exchange kernel time (trace)",
                  f"{'num_chunks':<12}{'time(us)':>10}{'x experts':>10}{'fwd+bwd':>10}"
                  f"{'exch(us)':>10}{'overlap':>9}{'#wrong':>8}  schedule"]
@@ -566,6 +580,8 @@ def main(argv=None):
                     help="comma-separated: gemm, layer, rounds, overlap")
     ap.add_argument("--chunks", default="1,2,4,8,auto",
                     help="overlap: the num_chunks values to run (comma-separated)")
+    ap.add_argument("--shared-intermediate", type=int, default=0,
+                    help="overlap: a shared SwiGLU expert of this width (0: none)")
     ap.add_argument("--rounds-factor", type=float, default=2.0,
                     help="rounds: capacity per round in balanced rows (T * topk) per rank")
     ap.add_argument("--tune", action="store_true",
@@ -607,7 +623,7 @@ def main(argv=None):
             yield overlap_report(args.tokens, args.hidden, args.intermediate, E, args.topk,
                                  dtype, args.warmup, args.iters,
                                  [c if c == "auto" else int(c) for c in args.chunks.split(",")],
-                                 args.profile)
+                                 args.profile, shared_inter=args.shared_intermediate)
         if "layer" in parts:
             yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
                                args.warmup, args.iters, args.implementation, args.xla_max_gib,

@@ -20,8 +20,9 @@ starts take chunk ``c``'s expanded rows (so they start right before its experts,
 non-GEMM work before them). The other transports complete an exchange at its start: the schedule is the same,
 without concurrency, and so are the results.
 
-Only the first chunk's dispatch and the last chunk's combine run alone: ``(C - 1) / C`` of the
-exchange time can hide under the experts. The hierarchical plan's second stage runs when its
+The first chunk's dispatch and the last chunk's combine have no experts to hide under: ``(C - 1)
+/ C`` of the exchange time can hide under the experts. Dense work on the tokens that does not need
+the exchange (the layer's shared expert: ``side``) runs in two halves under those two. The hierarchical plan's second stage runs when its
 chunk is finished (after its first stage), so only its first stage overlaps.
 
 Results equal the unchunked layer's: every token's rows go through the same experts and its
@@ -150,29 +151,54 @@ def _after(value, after):
     return lax.optimization_barrier((value, after))[0]
 
 
-def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, params):
-    """The layer's output ``(T, H)`` over ``chunks`` pipelined chunks. ``run_experts(expert_x,
-    group_sizes, params)`` -> ``expert_y``; it may not close over traced values (``params`` is
-    its differentiable pytree of arrays). ``ids``/``weights`` as :func:`ep_comm.dispatch` takes
-    them."""
-    return _pipeline(run_experts, chunk_config(cfg, chunks), chunks, x, ids, weights, params)
+def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, params,
+                 side=None, side_params=()):
+    """The routed experts' output ``(T, H)`` over ``chunks`` pipelined chunks, and the output of
+    ``side`` (float32 ``(T, H)``, or ``None`` without it). ``run_experts(expert_x, group_sizes,
+    params)`` -> ``expert_y``; it may not close over traced values (``params`` is its
+    differentiable pytree of arrays). ``ids``/``weights`` as :func:`ep_comm.dispatch` takes them.
+    ``side(x_rows, side_params)`` -> float32 rows: dense work on the tokens (the shared expert),
+    run in two halves of the tokens under the two exchanges nothing else hides, the first chunk's
+    dispatch and the last chunk's combine."""
+    return _pipeline(run_experts, side, chunk_config(cfg, chunks), chunks, x, ids, weights,
+                     params, side_params)
 
 
 def _split(a, chunks):
     return a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _pipeline(run_experts, one, chunks, x, ids, weights, params):
-    return _forward(run_experts, one, chunks, x, ids, weights, params, keep=False)[0]
+def _halves(a):
+    return a[:a.shape[0] // 2], a[a.shape[0] // 2:]
 
 
-def _forward(run_experts, one, chunks, x, ids, weights, params, keep):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _pipeline(run_experts, side, one, chunks, x, ids, weights, params, side_params):
+    return _forward(run_experts, side, one, chunks, x, ids, weights, params, side_params,
+                    keep=False)[0]
+
+
+def _side_half(side, x, half, side_params, after, keep):
+    """``side`` over token half ``half`` of ``x``, issued after ``after`` (the exchange it runs
+    under), with its VJP when ``keep``."""
+    rows = _halves(x)[half]
+    if after:
+        rows = _after(rows, after)
+    with jax.named_scope(f"ep_comm_side{half}"):
+        if keep:
+            return jax.vjp(lambda r, p: side(r, p), rows, side_params)
+        return side(rows, side_params), None
+
+
+def _forward(run_experts, side, one, chunks, x, ids, weights, params, side_params, keep):
     xs, idss, ws = (_split(a, chunks) for a in (x, ids, weights))
     disp = [_Chunk(dispatch_steps(xs[c], idss[c], ws[c], one), f"ep_comm_chunk{c}/dispatch")
             for c in range(chunks)]
+    sides = []
     disp[0].start()
-    ready = disp[0].finish()
+    if side is not None:  # under the first dispatch
+        sides.append(_side_half(side, x, 0, side_params, disp[0].in_flight(), keep))
+    ready = disp[0].finish(after=sides[0][0] if sides else None)
     ys, saved = [None] * chunks, []
     comb = None
     for c in range(chunks):
@@ -199,17 +225,28 @@ def _forward(run_experts, one, chunks, x, ids, weights, params, keep):
         comb = _Chunk(combine_steps(expert_y, handle), f"ep_comm_chunk{c}/combine")
         saved.append((expert_y, handle, vjp))
     comb.start()
-    ys[chunks - 1] = comb.finish()
-    return jnp.concatenate(ys), saved
+    if side is not None:  # under the last combine
+        sides.append(_side_half(side, x, 1, side_params, comb.in_flight(), keep))
+    ys[chunks - 1] = comb.finish(after=sides[1][0] if sides else None)
+    side_y = jnp.concatenate([s[0] for s in sides]) if sides else None
+    return (jnp.concatenate(ys), side_y), (saved, [s[1] for s in sides])
 
 
-def _pipeline_fwd(run_experts, one, chunks, x, ids, weights, params):
-    y, saved = _forward(run_experts, one, chunks, x, ids, weights, params, keep=True)
-    return y, (x, ids, weights, params, saved)
+def _pipeline_fwd(run_experts, side, one, chunks, x, ids, weights, params, side_params):
+    out, saved = _forward(run_experts, side, one, chunks, x, ids, weights, params, side_params,
+                          keep=True)
+    return out, (x, ids, weights, params, side_params, saved)
 
 
-def _pipeline_bwd(run_experts, one, chunks, res, g):
-    x, ids, weights, params, saved = res
+def _pipeline_bwd(run_experts, side, one, chunks, res, cts):
+    x, ids, weights, params, side_params, (saved, side_vjps) = res
+    g, g_side = cts
+    d_x_side, d_side_params = None, None
+    if side is not None:
+        halves = [vjp(part) for vjp, part in zip(side_vjps, _halves(g_side))]
+        d_x_side = jnp.concatenate([h[0] for h in halves]).astype(jnp.float32)
+        d_side_params = jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b.astype(
+            jnp.float32)).astype(a.dtype), halves[0][1], halves[1][1])
     xs, idss, ws, gs = (_split(a, chunks) for a in (x, ids, weights, g))
     f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
     dxs, dws, dparams = [], [], None
@@ -221,9 +258,13 @@ def _pipeline_bwd(run_experts, one, chunks, res, g):
         dxs.append(d_x)
         dws.append(d_w)
         dparams = f32(d_p) if dparams is None else jax.tree.map(jnp.add, dparams, f32(d_p))
-    return (jnp.concatenate(dxs).astype(x.dtype), np.zeros(ids.shape, jax.dtypes.float0),
+    d_x = jnp.concatenate(dxs)
+    if d_x_side is not None:
+        d_x = d_x.astype(jnp.float32) + d_x_side
+    return (d_x.astype(x.dtype), np.zeros(ids.shape, jax.dtypes.float0),
             jnp.concatenate(dws).astype(weights.dtype),
-            jax.tree.map(lambda d, a: d.astype(a.dtype), dparams, params))
+            jax.tree.map(lambda d, a: d.astype(a.dtype), dparams, params),
+            side_params if d_side_params is None else d_side_params)
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)

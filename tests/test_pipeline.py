@@ -5,6 +5,7 @@ wait for other chunks' experts, the schedule check, ``"auto"`` and bad input."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -103,6 +104,50 @@ def test_every_pair_served_once_in_chunks_and_rounds(sharded, n, data):
         rounds, chunk_rounds(ids, n, chunks, capacity))
 
 
+@functools.lru_cache(maxsize=None)
+def shared_layer_and_grads(sharded, cfg):
+    def f(x, ids, w, w_in, w_out, s_in, s_out, cot):
+        s_in, s_out = s_in[0], s_out[0]  # replicated: every rank holds the block of rank 0's
+
+        def loss(x, w, w_in, w_out, s_in, s_out):
+            y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out, shared_w_in=s_in,
+                                  shared_w_out=s_out)
+            return jax.lax.psum(jnp.sum(y * cot), "ep")
+        y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out, shared_w_in=s_in,
+                              shared_w_out=s_out)
+        grads = jax.grad(loss, argnums=range(6))(x, w, w_in, w_out, s_in, s_out)
+        return (y,) + grads[:4] + tuple(g[None] for g in grads[4:])
+    return sharded.smap(f)
+
+
+def test_chunks_with_a_shared_expert_equal_one_chunk_and_the_dense_layer(sharded, n, rng):
+    """The shared expert runs inside the pipeline, in two halves under the first dispatch and
+    the last combine; values and gradients (its weights' too) as without chunks, and as dense."""
+    ids, x, w, w_in, w_out, cot = _inputs(rng, n, "random")
+    Is = 3
+    s_in = (rng.standard_normal((H, 2 * Is)) / np.sqrt(H)).astype(np.float32)
+    s_out = (rng.standard_normal((Is, H)) / np.sqrt(Is)).astype(np.float32)
+    rep = lambda a: np.broadcast_to(a, (n, *a.shape)).copy()  # noqa: E731 (one block per rank)
+    args = sharded.put(x, ids, w, w_in, w_out, rep(s_in), rep(s_out), cot)
+    one = sharded.get(shared_layer_and_grads(sharded, config(n, 1))(*args))
+    got = sharded.get(shared_layer_and_grads(sharded, config(n, 4))(*args))
+    names = NAMES + ("d shared_w_in", "d shared_w_out")
+    for name, g, r in zip(names, got, one):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+    with jax.enable_x64():
+        f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+        ref_y, ref_vjp = jax.vjp(
+            lambda x, w, wi, wo, si, so: dense_swiglu_moe(x, ids, w, wi, wo, si, so),
+            *map(f64, (x, w, w_in, w_out, s_in, s_out)))
+        refs = jax.tree.map(np.asarray, (ref_y,) + ref_vjp(f64(cot)))
+    # every rank's shared-weight gradient is its own tokens' part: their sum is the dense one
+    got_sum = got[:5] + tuple(g.reshape(n, *g.shape[1:]).sum(0) for g in got[5:])
+    for name, g, r in zip(names, got_sum, refs):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-4 * (1 + np.abs(r).max()),
+                                   err_msg=f"{name} against the dense layer")
+
+
 def test_hierarchical_chunks_equal_one_chunk(sharded, n, rng):
     """The hierarchical plan's two legs per exchange: the first overlaps, the second runs when
     the chunk is finished."""
@@ -132,6 +177,7 @@ def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, 
 # --- what the pipeline issues in what order ----------------------------------------------------
 
 _SCOPE = re.compile(r"ep_comm_chunk(\d+)/(dispatch|experts|combine)")
+_SIDE = re.compile(r"ep_comm_side(\d)")
 _CALLS = ("pjit", "jit", "shard_map", "custom_vjp_call", "custom_jvp_call", "closed_call")
 # what carries an exchange in a jaxpr: the portable transport's all-to-alls, the engine's start
 _EXCHANGES = ("all_to_all", "ep_comm_ragged_exchange_start", "ep_comm_ragged_exchange")
@@ -162,6 +208,8 @@ def exchange_dependencies(closed_jaxpr, full_barriers: bool):
                 if m and e.primitive.name in _EXCHANGES:
                     events.append(("x", int(m.group(1)), m.group(2), union))
                     outs = [union | {("x", int(m.group(1)), m.group(2))}] * len(e.outvars)
+                elif (side := _SIDE.search(str(e.source_info.name_stack))):
+                    events.append(("s", int(side.group(1)), union))
                 elif m and m.group(2) == "experts":
                     events.append(("e", int(m.group(1)), union))
                     outs = [union | {("e", int(m.group(1)))}] * len(e.outvars)
@@ -212,6 +260,32 @@ def test_exchanges_do_not_wait_for_other_chunks_experts_and_experts_wait_for_the
             assert ("x", c + 1, "dispatch") in deps, c
         if c >= 1:
             assert ("x", c - 1, "combine") in deps, c
+
+
+def test_the_shared_expert_runs_under_the_first_dispatch_and_the_last_combine(sharded, n,
+                                                                            monkeypatch):
+    monkeypatch.setenv("EP_COMM_LOCAL_EXCHANGE", "1")
+    C, Is = 4, 3
+    cfg = config(n, C)
+    f = sharded.smap(lambda x, ids, w, wi, wo, si, so: ep_comm.moe_layer(
+        x, ids, w, cfg, w_in=wi, w_out=wo, shared_w_in=si[0], shared_w_out=so[0]))
+    args = sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
+                       np.ones((n * T, K), np.float32), np.zeros((4 * n, H, 2 * I), np.float32),
+                       np.zeros((4 * n, I, H), np.float32), np.zeros((n, H, 2 * Is), np.float32),
+                       np.zeros((n, Is, H), np.float32))
+    jaxpr = jax.make_jaxpr(f)(*args)
+    for full in (False, True):
+        events = exchange_dependencies(jaxpr, full_barriers=full)
+        side = {h: frozenset().union(*(e[2] for e in events if e[0] == "s" and e[1] == h))
+                for h in (0, 1)}
+        assert all(any(e[0] == "s" and e[1] == h for e in events) for h in (0, 1))
+        # as data the shared expert needs no exchange; as order, each half follows its exchange
+        want0 = {("x", 0, "dispatch")} if full else set()
+        want1 = {("x", C - 1, "combine")} if full else set()
+        assert {d for d in side[0] if d[0] == "x"} == want0, side[0]
+        assert want1 <= {d for d in side[1] if d[0] == "x"}, side[1]
+        if not full:
+            assert not any(d[0] in ("x", "e") for d in side[1]), side[1]
 
 
 GPU_SCHEDULE = """\
