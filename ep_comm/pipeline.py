@@ -274,6 +274,9 @@ _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 _SCOPE = re.compile(r'op_name="[^"]*ep_comm_chunk(\d+)/(dispatch|experts|combine)')
 _CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+# a matrix product: a GEMM library call or kernel, or an op traced from a dot
+_GEMM = re.compile(r'custom_call_target="[^"]*(mosaic|cublas|gemm|matmul)|gemm_fusion|'
+                   r'op_name="[^"]*/(dot_general|ragged_dot[^"/]*|pallas_call)"')
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
@@ -295,7 +298,8 @@ def schedule_order(hlo_text: str) -> list[tuple[int, str, str]]:
     kind)`` for each instruction of the entry computation (and of the computations it ``call``s,
     such as command buffers) that :func:`run_pipeline` scoped: ``part`` ``dispatch``, ``experts``
     or ``combine``; ``kind`` ``start`` / ``done`` (the engine's exchange custom calls), ``a2a``
-    (an XLA all-to-all: a transport that completes at start), or ``op``."""
+    (an XLA all-to-all: a transport that completes at start), ``gemm`` (a matrix product) or
+    ``op``."""
     comps, entry = _computations(hlo_text)
     out = []
 
@@ -310,7 +314,8 @@ def schedule_order(hlo_text: str) -> list[tuple[int, str, str]]:
                 continue
             kind = ("start" if "ep_comm_nccl_start" in line else
                     "done" if "ep_comm_nccl_done" in line else
-                    "a2a" if "all-to-all" in line else "op")
+                    "a2a" if "all-to-all" in line else
+                    "gemm" if _GEMM.search(line) else "op")
             out.append((int(m.group(1)), m.group(2), kind))
     walk(entry)
     return out
@@ -319,14 +324,16 @@ def schedule_order(hlo_text: str) -> list[tuple[int, str, str]]:
 def check_schedule(order: list[tuple[int, str, str]], chunks: int) -> list[str]:
     """What in ``order`` (:func:`schedule_order`) breaks the pipeline: for every step ``c``, the
     exchanges of dispatch ``c + 1`` and combine ``c - 1`` must be issued (``start``; ``a2a`` on
-    transports that finish at start) before the first op of experts ``c``, and (``done``) not
-    finished before its last op. Empty when the schedule is the pipeline's."""
+    transports that finish at start) before the first GEMM of experts ``c``, and (``done``) not
+    finished before its last GEMM (its other ops when it has no GEMM: ops that do not read the
+    exchanged rows, such as group-size bookkeeping, may run anywhere). Empty when the schedule
+    is the pipeline's."""
     where = {}
     for i, key in enumerate(order):
         where.setdefault(key, []).append(i)
     problems = []
     for c in range(chunks):
-        ops = where.get((c, "experts", "op"))
+        ops = where.get((c, "experts", "gemm")) or where.get((c, "experts", "op"))
         if not ops:
             problems.append(f"chunk {c}: no expert ops in the schedule")
             continue
@@ -352,9 +359,9 @@ def order_summary(order: list[tuple[int, str, str]]) -> str:
     ``D1x`` (an XLA all-to-all), ``E0`` (a run of chunk 0's expert ops); other ops left out."""
     out = []
     for c, part, kind in order:
-        if kind == "op" and part != "experts":
+        if kind in ("op", "gemm") and part != "experts":
             continue
-        tok = (f"E{c}" if kind == "op" else
+        tok = (f"E{c}" if kind in ("op", "gemm") else
                f"{part[0].upper()}{c}{dict(start='s', done='d', a2a='x')[kind]}")
         if not out or out[-1] != tok:
             out.append(tok)
