@@ -176,11 +176,6 @@ class Exchange:
         return _ragged_all_to_all_start(*args, **kw)
 
 
-def exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse=False):
-    """:class:`Exchange` run at once."""
-    return Exchange(cfg, stage, leg, operand, rows, segment_rows, what, reverse).run()
-
-
 def drive(steps):
     """Run a step generator to its end and return its value. A step generator yields tuples of
     :class:`Exchange` and is sent back their results (a tuple, in order); here each is run at
