@@ -45,6 +45,14 @@ def swiglu(u, intermediate: int):
     return (jax.nn.silu(g) * u[:, intermediate:].astype(jnp.float32)).astype(u.dtype)
 
 
+def shared_swiglu(x, shared_w_in, shared_w_out):
+    """The dense shared SwiGLU expert over the rows of ``x``, in float32: ``swiglu(x @ w_in) @
+    w_out`` with ``x @ w_in`` rounded to ``x``'s dtype."""
+    u = jnp.dot(x, shared_w_in, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.dot(swiglu(u, shared_w_out.shape[0]), shared_w_out,
+                   preferred_element_type=jnp.float32)
+
+
 def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto"):
     """SwiGLU experts over grouped rows: ``swiglu(x @ w_in[g]) @ w_out[g]`` per group ``g``.
 
@@ -145,14 +153,6 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         _check_weight(api, "shared_w_out", shared_w_out, (s_inter, H), x.dtype,
                       "(intermediate, hidden)")
 
-    dtype = x.dtype
-
-    def shared_expert(rows, weights):
-        """The shared SwiGLU expert over ``rows``, in float32."""
-        s_in, s_out = weights
-        u = jnp.dot(rows, s_in, preferred_element_type=jnp.float32).astype(dtype)
-        return jnp.dot(swiglu(u, s_out.shape[0]), s_out, preferred_element_type=jnp.float32)
-
     chunks = resolve_chunks(config, H, x.dtype,
                             None if experts is not None else 6.0 * H * inter,
                             0.0 if experts is not None else (w_in.size + w_out.size)
@@ -171,6 +171,7 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         expert_x, handle = dispatch(x, ids, weights, one)
         return combine(checked(expert_x, handle.group_sizes, params), handle), handle
 
+    shared_y = None  # the shared expert's output (float32), where the pipeline computed it
     if one.is_dropless and chunks == 1:  # one round holds every pair any routing can send
         y, handle = layer_once(x, topk_ids, topk_weights, params)
         rounds = jnp.ones((1,), jnp.int32)
@@ -188,12 +189,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                 match_vma(jnp.zeros((L,), jnp.int32), x))
             run_experts = lambda ex, gs, p: converted(ex, gs, *p)
         if one.is_dropless:  # chunks, each one round: the pipeline (the shared expert in it)
-            y, side_y = run_pipeline(checked, config, chunks, x, topk_ids, topk_weights, params,
-                                     shared_expert if all(shared) else None,
-                                     (shared_w_in, shared_w_out) if all(shared) else ())
-            if side_y is not None:
-                y = (y.astype(jnp.float32) + side_y).astype(x.dtype)
-                shared = (False, False)  # added
+            y, shared_y = run_pipeline(
+                checked, config, chunks, x, topk_ids, topk_weights, params,
+                (lambda rows, p: shared_swiglu(rows, *p)) if all(shared) else None,
+                (shared_w_in, shared_w_out) if all(shared) else ())
             rounds = jnp.full((1,), chunks, jnp.int32)
         else:  # rounds of at most one.expert_rows pairs per rank, chunk after chunk
             ids, weights = merge_repeats(topk_ids, topk_weights)
@@ -206,8 +205,9 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                 ys.append(y_c)
                 rounds = rounds + r_c
             y, rounds = jnp.concatenate(ys), rounds[None]
-    if all(shared):
-        y = (y.astype(jnp.float32) + shared_expert(x, (shared_w_in, shared_w_out))).astype(
-            x.dtype)
+    if all(shared) and shared_y is None:
+        shared_y = shared_swiglu(x, shared_w_in, shared_w_out)
+    if shared_y is not None:
+        y = y.astype(jnp.float32) + shared_y
     y = y.astype(x.dtype)
     return MoEOutput(y, handle, rounds) if return_handle else y

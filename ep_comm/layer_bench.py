@@ -358,9 +358,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     def experts_alone(e, g, wi, wo, x, *s):
         y = ep_comm.swiglu_experts(e, g, wi, wo)
         if s:  # and the shared expert over the tokens
-            u = jnp.dot(x, s[0][0], preferred_element_type=jnp.float32).astype(x.dtype)
-            return y, jnp.dot(ep_comm.layer.swiglu(u, Is), s[1][0],
-                              preferred_element_type=jnp.float32)
+            return y, ep_comm.layer.shared_swiglu(x, s[0][0], s[1][0])
         return y
     alone = smap(experts_alone)
     t_alone = median_us(alone, (ex, gs, args[3], args[4], args[0], *args[5:]), warmup, iters)

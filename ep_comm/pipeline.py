@@ -241,14 +241,15 @@ def _pipeline_fwd(run_experts, side, one, chunks, x, ids, weights, params, side_
 def _pipeline_bwd(run_experts, side, one, chunks, res, cts):
     x, ids, weights, params, side_params, (saved, side_vjps) = res
     g, g_side = cts
-    d_x_side, d_side_params = None, None
+    f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+    cast_like = lambda d, like: jax.tree.map(lambda a, b: a.astype(b.dtype), d, like)  # noqa
+    d_x_side, d_side_params = None, side_params  # (side_params is () without a side)
     if side is not None:
         halves = [vjp(part) for vjp, part in zip(side_vjps, _halves(g_side))]
         d_x_side = jnp.concatenate([h[0] for h in halves]).astype(jnp.float32)
-        d_side_params = jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b.astype(
-            jnp.float32)).astype(a.dtype), halves[0][1], halves[1][1])
+        d_side_params = cast_like(jax.tree.map(jnp.add, f32(halves[0][1]), f32(halves[1][1])),
+                                  side_params)
     xs, idss, ws, gs = (_split(a, chunks) for a in (x, ids, weights, g))
-    f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
     dxs, dws, dparams = [], [], None
     for c, (expert_y, handle, vjp) in enumerate(saved):
         d_y, d_handle = jax.vjp(combine, expert_y, handle)[1](gs[c].astype(expert_y.dtype))
@@ -263,8 +264,7 @@ def _pipeline_bwd(run_experts, side, one, chunks, res, cts):
         d_x = d_x.astype(jnp.float32) + d_x_side
     return (d_x.astype(x.dtype), np.zeros(ids.shape, jax.dtypes.float0),
             jnp.concatenate(dws).astype(weights.dtype),
-            jax.tree.map(lambda d, a: d.astype(a.dtype), dparams, params),
-            side_params if d_side_params is None else d_side_params)
+            cast_like(dparams, params), d_side_params)
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
