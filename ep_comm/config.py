@@ -16,6 +16,7 @@ from topology.checks import dtype_arg, positive_int
 
 OVERFLOW_MODES = ("count", "raise")
 PLAN_CHOICES = ("auto", *PLANS)
+CHUNK_BY = ("tokens", "experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,13 @@ class EPConfig:
         from ``cost_model``), among the divisors of ``tokens_per_rank`` up to 16. Every rank
         must use the same value (it changes the exchanges' sizes, which the native transports
         check).
+      chunk_by: what the pipeline's chunks cut (:mod:`ep_comm.pipeline`). ``"tokens"``
+        (default): chunk ``c`` is tokens ``[c * T / C, (c + 1) * T / C)`` with all their
+        experts; each chunk's GEMMs read all the local expert weights again. ``"experts"``:
+        chunk ``c`` is every token's pairs with the local experts ``[c * L / C, (c + 1) * L /
+        C)`` of each rank (``L = experts_per_rank``); each expert's GEMM runs once, over all its
+        rows, so the weights are read once, but a token with experts in several chunks on one
+        rank is sent once per chunk. ``num_chunks`` must then divide ``experts_per_rank``.
 
     Memory per rank (``H`` hidden size, ``b`` bytes per element of ``x``), see :meth:`buffer_bytes`:
       send buffer ``S = T * min(topk, num_ranks)`` rows; token receive buffer
@@ -100,6 +108,7 @@ class EPConfig:
     wire_format: str | None = None
     zero_fill: bool = False
     num_chunks: int | str = 1
+    chunk_by: str = "tokens"
 
     def __post_init__(self):
         owner = "EPConfig"
@@ -150,15 +159,28 @@ class EPConfig:
         if not isinstance(self.zero_fill, bool):
             raise TypeError(f"{owner}: zero_fill must be a bool, got "
                             f"{type(self.zero_fill).__name__}")
+        if self.chunk_by not in CHUNK_BY:
+            raise ValueError(f"{owner}: chunk_by must be one of {CHUNK_BY}, got "
+                             f"{self.chunk_by!r}")
         if self.num_chunks != "auto":
             if (not isinstance(self.num_chunks, (int, np.integer)) or isinstance(
                     self.num_chunks, bool) or self.num_chunks < 1):
                 raise ValueError(f"{owner}: num_chunks must be a positive int or 'auto', got "
                                  f"{self.num_chunks!r}")
-            if self.tokens_per_rank % self.num_chunks:
+            if self.chunk_by == "tokens" and self.tokens_per_rank % self.num_chunks:
                 raise ValueError(f"{owner}: num_chunks={self.num_chunks} must divide "
                                  f"tokens_per_rank={self.tokens_per_rank} (every chunk is an "
                                  f"exchange of the same size)")
+            if self.chunk_by == "experts" and self.experts_per_rank % self.num_chunks:
+                raise ValueError(f"{owner}: num_chunks={self.num_chunks} must divide "
+                                 f"experts_per_rank={self.experts_per_rank} with "
+                                 f"chunk_by='experts' (every chunk holds as many experts)")
+            if (self.chunk_by == "experts"
+                    and self.num_experts // self.num_chunks < self.topk):
+                raise ValueError(f"{owner}: num_chunks={self.num_chunks} leaves "
+                                 f"{self.num_experts // self.num_chunks} experts per chunk with "
+                                 f"chunk_by='experts', fewer than topk={self.topk} (each "
+                                 f"chunk's exchange is one of num_experts / num_chunks experts)")
             object.__setattr__(self, "num_chunks", int(self.num_chunks))
 
     @property

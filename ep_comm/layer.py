@@ -14,7 +14,8 @@ from ep_comm.gemm import grouped_matmul
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids
 from ep_comm.moe import check_float, combine, dispatch
-from ep_comm.pipeline import chunk_config, resolve_chunks, run_pipeline
+from ep_comm.pipeline import (chunk_config, chunk_group_sizes, chunk_operands, chunk_routing,
+                              join_chunks, resolve_chunks, run_pipeline)
 from ep_comm.rounds import merge_repeats, run_rounds
 from topology.jax_compat import match_vma
 
@@ -78,10 +79,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
     """The expert-parallel MoE FFN of one rank: ``y[t] = sum_k w[t,k] * expert_{id[t,k]}(x[t])``
     (plus the shared expert's output when given). Dropless at any ``config.recv_capacity``: below
     the worst case it runs in rounds of at most that many pairs per rank (:mod:`ep_comm.rounds`).
-    With ``config.num_chunks`` above 1 the tokens run as a pipeline of chunks whose exchanges
-    overlap the experts of their neighbours (:mod:`ep_comm.pipeline`); ``recv_capacity`` is then
-    the expert buffer of one chunk (a chunk below its own worst case runs in rounds, the chunks
-    one after another).
+    With ``config.num_chunks`` above 1 the layer runs as a pipeline of chunks (of tokens, or of
+    each rank's experts: ``config.chunk_by``) whose exchanges overlap the experts of their
+    neighbours (:mod:`ep_comm.pipeline`); ``recv_capacity`` is then the expert buffer of one
+    chunk (a chunk below its own worst case runs in rounds, the chunks one after another).
 
     Call inside ``jax.shard_map`` over ``config.axis_name``; expert weights are sharded over that
     axis (this rank holds experts ``[r * E_local, (r + 1) * E_local)``, ``E_local =
@@ -196,15 +197,19 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
             rounds = jnp.full((1,), chunks, jnp.int32)
         else:  # rounds of at most one.expert_rows pairs per rank, chunk after chunk
             ids, weights = merge_repeats(topk_ids, topk_weights)
-            T_c = one.tokens_per_rank
             ys, rounds = [], 0
-            for c in range(chunks):
-                part = slice(c * T_c, (c + 1) * T_c)
-                y_c, r_c = run_rounds(lambda *a: layer_once(*a)[0], x[part], ids[part],
-                                      weights[part], params, one)
+            parts = chunk_operands(config, chunks, x, ids, weights)
+            for c, (x_c, ids_c, w_c) in enumerate(parts):
+                def one_round(x, ids, weights, params, c=c):
+                    expert_x, handle = dispatch(x, ids, weights, one)
+                    group_sizes = chunk_group_sizes(config, chunks, c, handle.group_sizes)
+                    return combine(checked(expert_x, group_sizes, params), handle)
+
+                y_c, r_c = run_rounds(one_round, x_c,
+                                      *chunk_routing(config, chunks, c, ids_c, w_c), params, one)
                 ys.append(y_c)
                 rounds = rounds + r_c
-            y, rounds = jnp.concatenate(ys), rounds[None]
+            y, rounds = join_chunks(config, ys), rounds[None]
     if all(shared) and shared_y is None:
         shared_y = shared_swiglu(x, shared_w_in, shared_w_out)
     if shared_y is not None:

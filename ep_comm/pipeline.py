@@ -58,23 +58,92 @@ MAX_AUTO_CHUNKS = 16
 
 
 def chunk_config(cfg: EPConfig, chunks: int) -> EPConfig:
-    """The configuration of one of ``chunks`` chunks: ``tokens_per_rank / chunks`` tokens, and
-    ``recv_capacity`` kept when it is below the chunk's worst case (else the chunk's worst
-    case)."""
-    tokens = cfg.tokens_per_rank // chunks
-    one = dataclasses.replace(cfg, tokens_per_rank=tokens, recv_capacity=None, num_chunks=1)
+    """The configuration of one of ``chunks`` chunks (``cfg.chunk_by``), with ``recv_capacity``
+    kept when it is below the chunk's worst case (else the chunk's worst case).
+
+    ``"tokens"``: ``tokens_per_rank / chunks`` tokens. ``"experts"``: every token, over
+    ``num_experts / chunks`` experts (each rank's ``experts_per_rank / chunks`` experts of the
+    chunk, numbered as :func:`chunk_routing` renumbers them)."""
+    if cfg.chunk_by == "experts":
+        one = dataclasses.replace(cfg, num_experts=cfg.num_experts // chunks, recv_capacity=None,
+                                  num_chunks=1, chunk_by="tokens")
+    else:
+        one = dataclasses.replace(cfg, tokens_per_rank=cfg.tokens_per_rank // chunks,
+                                  recv_capacity=None, num_chunks=1)
     if cfg.recv_capacity is not None and cfg.recv_capacity < one.worst_case_rows:
         one = dataclasses.replace(one, recv_capacity=cfg.recv_capacity)
     return one
 
 
+def chunk_operands(cfg: EPConfig, chunks: int, x, ids, weights) -> list[tuple]:
+    """Per chunk, the ``(x, ids, weights)`` it starts from: a slice of the tokens
+    (``"tokens"``), or all of them (``"experts"``: :func:`chunk_routing` picks the pairs)."""
+    if cfg.chunk_by == "experts":
+        return [(x, ids, weights)] * chunks
+    return list(zip(*(_split(a, chunks) for a in (x, ids, weights))))
+
+
+def chunk_routing(cfg: EPConfig, chunks: int, c: int, ids, weights):
+    """Chunk ``c``'s ids and weights (as :func:`ep_comm.dispatch` takes them, for
+    :func:`chunk_config`'s configuration) from its operands. ``"tokens"``: unchanged.
+    ``"experts"``: the pairs whose expert is local expert ``l`` of rank ``r`` with ``l // Lc ==
+    c`` (``Lc = experts_per_rank / chunks``), renumbered ``r * Lc + l % Lc``; the other pairs
+    get id -1 and weight 0. An id out of range (neither -1 nor an expert) stays out of range in
+    chunk 0 only, where dispatch counts it (or raises) as it would unchunked."""
+    if cfg.chunk_by != "experts":
+        return ids, weights
+    L, E = cfg.experts_per_rank, cfg.num_experts
+    Lc = L // chunks
+    ids = ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < E)
+    local = jnp.where(valid, ids, 0) % L
+    keep = valid & (local // Lc == c)
+    other = jnp.full_like(ids, -1)
+    if c == 0:  # out of range: kept out of range (ids >= E become the chunk's E / chunks)
+        other = jnp.where(valid | (ids == -1), -1, jnp.where(ids < 0, ids, E // chunks))
+    return (jnp.where(keep, (ids // L) * Lc + local % Lc, other),
+            jnp.where(keep, weights, jnp.zeros((), weights.dtype)))
+
+
+def chunk_group_sizes(cfg: EPConfig, chunks: int, c: int, group_sizes):
+    """Chunk ``c``'s group sizes as the experts take them: ``(experts_per_rank,)``, zero for the
+    local experts of other chunks (``"experts"``; so the GEMMs take every local expert's
+    weights and read only the chunk's)."""
+    if cfg.chunk_by != "experts":
+        return group_sizes
+    Lc = group_sizes.shape[0]
+    return jnp.pad(group_sizes, (c * Lc, (chunks - c - 1) * Lc))
+
+
+def join_chunks(cfg: EPConfig, parts: list):
+    """The chunks' ``(T, ...)`` results as one: concatenated (``"tokens"``), or summed in
+    float32 (``"experts"``: every chunk holds a part of every token's sum), in the first part's
+    dtype."""
+    if cfg.chunk_by != "experts":
+        return jnp.concatenate(parts)
+    total = parts[0].astype(jnp.float32)
+    for p in parts[1:]:
+        total = total + p.astype(jnp.float32)
+    return total.astype(parts[0].dtype)
+
+
+def chunk_counts(cfg: EPConfig) -> list[int]:
+    """The chunk counts ``cfg.chunk_by`` allows, up to :data:`MAX_AUTO_CHUNKS`."""
+    if cfg.chunk_by == "experts":
+        return [c for c in range(1, min(cfg.experts_per_rank, MAX_AUTO_CHUNKS) + 1)
+                if cfg.experts_per_rank % c == 0 and cfg.num_experts // c >= cfg.topk]
+    return [c for c in range(1, min(cfg.tokens_per_rank, MAX_AUTO_CHUNKS) + 1)
+            if cfg.tokens_per_rank % c == 0]
+
+
 def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | None,
                    weight_bytes: float = 0.0, api: str = "moe_layer") -> int:
-    """``cfg.num_chunks``, with ``"auto"`` resolved by the cost model: the divisor ``C`` of
-    ``tokens_per_rank`` (up to :data:`MAX_AUTO_CHUNKS`) with the smallest
-    :meth:`topology.CostModel.pipeline_seconds` for balanced routing. ``flops_per_row``: expert
-    FLOPs per (token, expert) row (``None``: unknown, which ``"auto"`` cannot work with);
-    ``weight_bytes``: this rank's expert weights."""
+    """``cfg.num_chunks``, with ``"auto"`` resolved by the cost model: the chunk count (of
+    :func:`chunk_counts`) with the smallest :meth:`topology.CostModel.pipeline_seconds` for
+    balanced routing. ``flops_per_row``: expert FLOPs per (token, expert) row (``None``:
+    unknown, which ``"auto"`` cannot work with); ``weight_bytes``: this rank's expert weights
+    (every token chunk's GEMMs read all of them; an expert chunk's read its share). An expert
+    chunk's exchange is predicted as ``ceil(topk / chunks)`` experts per token."""
     if cfg.num_chunks != "auto":
         return cfg.num_chunks
     if flops_per_row is None:
@@ -82,11 +151,12 @@ def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | Non
                          f"weights w_in/w_out; with experts= give num_chunks as an int")
     model = cfg.cost_model or topology.CostModel()
     T, K, L = cfg.tokens_per_rank, cfg.topk, cfg.experts_per_rank
+    by_experts = cfg.chunk_by == "experts"
     best, best_s = 1, None
-    for c in range(1, min(T, MAX_AUTO_CHUNKS) + 1):
-        if T % c:
-            continue
+    for c in chunk_counts(cfg):
         one = chunk_config(cfg, c)
+        if by_experts:  # each token's pairs spread over the chunks
+            one = dataclasses.replace(one, topk=-(-K // c))
         kind = plans.resolve(one, hidden, dtype, api).kind
         if is_local(one, kind):
             ex = 0.0
@@ -94,8 +164,10 @@ def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | Non
             topo = plans.machine(one, api, need=kind != "flat") or topology.simulated(
                 1, cfg.num_ranks)
             ex = plans.predict(one, topo, hidden, dtype)[kind]["total"]
-        rows = one.tokens_per_rank * K  # (token, expert) rows per rank per chunk, balanced
-        s = model.pipeline_seconds(c, ex, rows * flops_per_row, rows / L, weight_bytes)
+        rows = T * K / c  # (token, expert) rows per rank per chunk, balanced
+        s = model.pipeline_seconds(c, ex, rows * flops_per_row,
+                                   T * K / L if by_experts else rows / L,
+                                   weight_bytes / c if by_experts else weight_bytes)
         if best_s is None or s < best_s * (1 - 1e-9):
             best, best_s = c, s
     return best
@@ -160,8 +232,7 @@ def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, param
     ``side(x_rows, side_params)`` -> float32 rows: dense work on the tokens (the shared expert),
     run in two halves of the tokens under the two exchanges nothing else hides, the first chunk's
     dispatch and the last chunk's combine."""
-    return _pipeline(run_experts, side, chunk_config(cfg, chunks), chunks, x, ids, weights,
-                     params, side_params)
+    return _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params)
 
 
 def _split(a, chunks):
@@ -173,8 +244,8 @@ def _halves(a):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _pipeline(run_experts, side, one, chunks, x, ids, weights, params, side_params):
-    return _forward(run_experts, side, one, chunks, x, ids, weights, params, side_params,
+def _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params):
+    return _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params,
                     keep=False)[0]
 
 
@@ -190,10 +261,16 @@ def _side_half(side, x, half, side_params, after, keep):
         return side(rows, side_params), None
 
 
-def _forward(run_experts, side, one, chunks, x, ids, weights, params, side_params, keep):
-    xs, idss, ws = (_split(a, chunks) for a in (x, ids, weights))
-    disp = [_Chunk(dispatch_steps(xs[c], idss[c], ws[c], one), f"ep_comm_chunk{c}/dispatch")
-            for c in range(chunks)]
+def _dispatch_chunk(cfg, chunks, c, operands, steps=False):
+    x, ids, weights = operands
+    ids, weights = chunk_routing(cfg, chunks, c, ids, weights)
+    return (dispatch_steps if steps else dispatch)(x, ids, weights, chunk_config(cfg, chunks))
+
+
+def _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, keep):
+    operands = chunk_operands(cfg, chunks, x, ids, weights)
+    disp = [_Chunk(_dispatch_chunk(cfg, chunks, c, operands[c], steps=True),
+                   f"ep_comm_chunk{c}/dispatch") for c in range(chunks)]
     sides = []
     disp[0].start()
     if side is not None:  # under the first dispatch
@@ -212,12 +289,13 @@ def _forward(run_experts, side, one, chunks, x, ids, weights, params, side_param
         flying = (nxt.in_flight() if nxt else ()) + (comb.in_flight() if comb else ())
         if flying:
             expert_x = _after(expert_x, flying)
+        gs = chunk_group_sizes(cfg, chunks, c, handle.group_sizes)
         with jax.named_scope(f"ep_comm_chunk{c}/experts"):
             if keep:
-                expert_y, vjp = jax.vjp(
-                    lambda e, p, gs=handle.group_sizes: run_experts(e, gs, p), expert_x, params)
+                expert_y, vjp = jax.vjp(lambda e, p, gs=gs: run_experts(e, gs, p), expert_x,
+                                        params)
             else:
-                expert_y, vjp = run_experts(expert_x, handle.group_sizes, params), None
+                expert_y, vjp = run_experts(expert_x, gs, params), None
         if nxt is not None:
             ready = nxt.finish(after=expert_y)
         if comb is not None:
@@ -229,16 +307,16 @@ def _forward(run_experts, side, one, chunks, x, ids, weights, params, side_param
         sides.append(_side_half(side, x, 1, side_params, comb.in_flight(), keep))
     ys[chunks - 1] = comb.finish(after=sides[1][0] if sides else None)
     side_y = jnp.concatenate([s[0] for s in sides]) if sides else None
-    return (jnp.concatenate(ys), side_y), (saved, [s[1] for s in sides])
+    return (join_chunks(cfg, ys), side_y), (saved, [s[1] for s in sides])
 
 
-def _pipeline_fwd(run_experts, side, one, chunks, x, ids, weights, params, side_params):
-    out, saved = _forward(run_experts, side, one, chunks, x, ids, weights, params, side_params,
+def _pipeline_fwd(run_experts, side, cfg, chunks, x, ids, weights, params, side_params):
+    out, saved = _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params,
                           keep=True)
     return out, (x, ids, weights, params, side_params, saved)
 
 
-def _pipeline_bwd(run_experts, side, one, chunks, res, cts):
+def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
     x, ids, weights, params, side_params, (saved, side_vjps) = res
     g, g_side = cts
     f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
@@ -249,21 +327,24 @@ def _pipeline_bwd(run_experts, side, one, chunks, res, cts):
         d_x_side = jnp.concatenate([h[0] for h in halves]).astype(jnp.float32)
         d_side_params = cast_like(jax.tree.map(jnp.add, f32(halves[0][1]), f32(halves[1][1])),
                                   side_params)
-    xs, idss, ws, gs = (_split(a, chunks) for a in (x, ids, weights, g))
+    operands = chunk_operands(cfg, chunks, x, ids, weights)
+    g_parts = [o[0] for o in chunk_operands(cfg, chunks, g, ids, weights)]
     dxs, dws, dparams = [], [], None
     for c, (expert_y, handle, vjp) in enumerate(saved):
-        d_y, d_handle = jax.vjp(combine, expert_y, handle)[1](gs[c].astype(expert_y.dtype))
+        d_y, d_handle = jax.vjp(combine, expert_y, handle)[1](g_parts[c].astype(expert_y.dtype))
         d_x_experts, d_p = vjp(d_y)
-        _, dispatch_vjp = jax.vjp(lambda a, w, i=idss[c]: dispatch(a, i, w, one), xs[c], ws[c])
+        a, i, w = operands[c]
+        _, dispatch_vjp = jax.vjp(
+            lambda a, w, c=c, i=i: _dispatch_chunk(cfg, chunks, c, (a, i, w)), a, w)
         d_x, d_w = dispatch_vjp((d_x_experts, d_handle))
-        dxs.append(d_x)
-        dws.append(d_w)
+        dxs.append(d_x.astype(jnp.float32))
+        dws.append(d_w.astype(jnp.float32))
         dparams = f32(d_p) if dparams is None else jax.tree.map(jnp.add, dparams, f32(d_p))
-    d_x = jnp.concatenate(dxs)
+    d_x = join_chunks(cfg, dxs)
     if d_x_side is not None:
-        d_x = d_x.astype(jnp.float32) + d_x_side
+        d_x = d_x + d_x_side
     return (d_x.astype(x.dtype), np.zeros(ids.shape, jax.dtypes.float0),
-            jnp.concatenate(dws).astype(weights.dtype),
+            join_chunks(cfg, dws).astype(weights.dtype),
             cast_like(dparams, params), d_side_params)
 
 

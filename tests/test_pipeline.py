@@ -1,6 +1,7 @@
-"""moe_layer as a pipeline of token chunks (``EPConfig.num_chunks``): the same results and
-gradients as one chunk and as a dense reference, with rounds inside chunks, exchanges that do not
-wait for other chunks' experts, the schedule check, ``"auto"`` and bad input."""
+"""moe_layer as a pipeline of chunks of tokens or of experts (``EPConfig.num_chunks``,
+``chunk_by``): the same results and gradients as one chunk and as a dense reference, with rounds
+inside chunks, exchanges that do not wait for other chunks' experts, the schedule check,
+``"auto"`` and bad input."""
 
 from __future__ import annotations
 
@@ -30,13 +31,18 @@ SETTINGS = settings(max_examples=8 if jax.process_count() == 1 else 2, deadline=
                                            HealthCheck.too_slow])
 
 
-def config(n, chunks, capacity=None, **kw):
-    return ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T,
+def config(n, chunks, capacity=None, L=4, **kw):
+    return ep_comm.EPConfig("ep", num_ranks=n, num_experts=L * n, topk=K, tokens_per_rank=T,
                             recv_capacity=capacity, num_chunks=chunks, **kw)
 
 
-def _inputs(rng, n, kind):
-    E = 4 * n
+# chunks of experts: each chunk's exchange is one of num_experts / chunks >= topk experts, so at
+# any rank count up to 4 chunks of L_X experts per rank
+L_X = 12
+
+
+def _inputs(rng, n, kind, L=4):
+    E = L * n
     ids = routing(rng, kind, n, T, K, E)
     ids[0, 1] = ids[0, 0]  # a repeated expert: merged into one pair
     ids[1, 2] = -1  # a masked slot
@@ -78,6 +84,59 @@ def test_chunks_equal_one_chunk_and_the_dense_layer_with_gradients(sharded, n, r
                                    err_msg=f"{name} against the dense layer")
 
 
+@pytest.mark.parametrize("kind,chunks", [
+    ("random", 2), pytest.param("skewed", 3, marks=pytest.mark.multiprocess),
+    ("one_expert", 4), ("empty_ranks", 4)])
+def test_expert_chunks_equal_one_chunk_and_the_dense_layer_with_gradients(sharded, n, rng, kind,
+                                                                           chunks):
+    """chunk_by='experts': every token's pairs split over the chunks by local expert, each
+    chunk's sums added in float32."""
+    ids, x, w, w_in, w_out, cot = _inputs(rng, n, kind, L=L_X)
+    args = sharded.put(x, ids, w, w_in, w_out, cot)
+    one = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1, L=L_X))(*args))
+    got = sharded.get(swiglu_layer_and_grads(
+        sharded, config(n, chunks, L=L_X, chunk_by="experts"))(*args))
+    assert np.all(got[1] == chunks), got[1]
+    for name, g, r in zip(NAMES, got[:1] + got[2:], one[:1] + one[2:]):
+        # a token's sum is split by chunk and added in float32 (reassociation)
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+    with jax.enable_x64():
+        f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+        ref_y, ref_vjp = jax.vjp(lambda x, w, wi, wo: dense_swiglu_moe(x, ids, w, wi, wo),
+                                 f64(x), f64(w), f64(w_in), f64(w_out))
+        refs = jax.tree.map(np.asarray, (ref_y,) + ref_vjp(f64(cot)))
+    for name, g, r in zip(NAMES, got[:1] + got[2:], refs):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-4 * (1 + np.abs(r).max()),
+                                   err_msg=f"{name} against the dense layer")
+
+
+def test_chunk_routing_gives_every_pair_to_one_chunk():
+    cfg = ep_comm.EPConfig("ep", num_ranks=2, num_experts=8, topk=3, tokens_per_rank=4,
+                           num_chunks=2, chunk_by="experts")
+    # experts 0-3 on rank 0, 4-7 on rank 1; chunk 0 holds local experts 0-1, chunk 1 2-3
+    ids = jnp.asarray([[0, 3, 5], [6, -1, 9], [1, 1, 7], [2, -4, 4]], jnp.int32)
+    w = jnp.asarray(np.arange(1, 13, dtype=np.float32).reshape(4, 3))
+    got = [pipeline.chunk_routing(cfg, 2, c, ids, w) for c in range(2)]
+    # renumbered: rank r's chunk expert j is r * 2 + j; out-of-range ids (9, -4) stay out of
+    # range in chunk 0 (9 becomes the chunk's 4 experts: 4), -1 elsewhere
+    np.testing.assert_array_equal(got[0][0], [[0, -1, 3], [-1, -1, 4], [1, 1, -1],
+                                              [-1, -4, 2]])
+    np.testing.assert_array_equal(got[1][0], [[-1, 1, -1], [2, -1, -1], [-1, -1, 3],
+                                              [0, -1, -1]])
+    np.testing.assert_array_equal(got[0][1] + got[1][1], np.where(
+        (np.asarray(ids) >= 0) & (np.asarray(ids) < 8), w, 0))
+    assert pipeline.chunk_config(cfg, 2).num_experts == 4
+    np.testing.assert_array_equal(
+        pipeline.chunk_group_sizes(cfg, 2, 1, jnp.asarray([5, 6])), [0, 0, 5, 6])
+    # the parts add in float32 and round once: 1 + 4 * 2^-9 = 1 + 2^-7 is a bfloat16, while
+    # adding 2^-9 to 1 in bfloat16 four times stays at 1
+    y = [jnp.ones((2,), jnp.bfloat16)] + [jnp.full((2,), 2 ** -9, jnp.bfloat16)] * 4
+    joined = pipeline.join_chunks(cfg, y)
+    assert joined.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(joined, np.float32), 1 + 2 ** -7)
+
+
 def chunk_rounds(ids, n, chunks, capacity):
     """Rounds the layer takes: per chunk (every rank's tokens [c T/C, (c+1) T/C)), the busiest
     rank's pairs over the capacity, summed over chunks."""
@@ -91,17 +150,33 @@ def chunk_rounds(ids, n, chunks, capacity):
     return total
 
 
+def expert_chunk_rounds(ids, n, chunks, capacity, L=L_X):
+    """Rounds the layer takes with chunk_by='experts': per chunk (local experts [c L/C, (c+1)
+    L/C) of every rank), the busiest rank's pairs of the chunk over the capacity, summed."""
+    Lc = L // chunks
+    total = 0
+    for c in range(chunks):
+        part = np.where((ids >= 0) & (ids < n * L) & ((ids % L) // Lc == c), ids, -1)
+        worst = n * T * min(K, Lc)
+        cap = capacity if capacity is not None and capacity < worst else None
+        total += 1 if cap is None else max(1, math.ceil(max_load(part, n, n * L) / cap))
+    return total
+
+
 @pytest.mark.multiprocess
 @seed(BASE_SEED)
 @SETTINGS
 @given(data=st.data())
 def test_every_pair_served_once_in_chunks_and_rounds(sharded, n, data):
-    ids = data.draw(routings(n))
+    by = data.draw(st.sampled_from(["tokens", "experts"]))
+    L = 4 if by == "tokens" else L_X
+    ids = data.draw(routings(n, L))
     chunks = data.draw(st.sampled_from([2, 4]))
     capacity = data.draw(st.sampled_from([None, 3, T * K // 2]))
-    rounds = served_once(sharded, config(n, chunks, capacity), ids, data)
-    assert np.all(rounds == chunk_rounds(ids, n, chunks, capacity)), (
-        rounds, chunk_rounds(ids, n, chunks, capacity))
+    rounds = served_once(sharded, config(n, chunks, capacity, L=L, chunk_by=by), ids, data)
+    want = (chunk_rounds(ids, n, chunks, capacity) if by == "tokens" else
+            expert_chunk_rounds(ids, n, chunks, capacity))
+    assert np.all(rounds == want), (by, rounds, want)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,17 +195,19 @@ def shared_layer_and_grads(sharded, cfg):
     return sharded.smap(f)
 
 
-def test_chunks_with_a_shared_expert_equal_one_chunk_and_the_dense_layer(sharded, n, rng):
+@pytest.mark.parametrize("by", ["tokens", "experts"])
+def test_chunks_with_a_shared_expert_equal_one_chunk_and_the_dense_layer(sharded, n, rng, by):
     """The shared expert runs inside the pipeline, in two halves under the first dispatch and
     the last combine; values and gradients (its weights' too) as without chunks, and as dense."""
-    ids, x, w, w_in, w_out, cot = _inputs(rng, n, "random")
+    L = 4 if by == "tokens" else L_X
+    ids, x, w, w_in, w_out, cot = _inputs(rng, n, "random", L=L)
     Is = 3
     s_in = (rng.standard_normal((H, 2 * Is)) / np.sqrt(H)).astype(np.float32)
     s_out = (rng.standard_normal((Is, H)) / np.sqrt(Is)).astype(np.float32)
     rep = lambda a: np.broadcast_to(a, (n, *a.shape)).copy()  # noqa: E731 (one block per rank)
     args = sharded.put(x, ids, w, w_in, w_out, rep(s_in), rep(s_out), cot)
-    one = sharded.get(shared_layer_and_grads(sharded, config(n, 1))(*args))
-    got = sharded.get(shared_layer_and_grads(sharded, config(n, 4))(*args))
+    one = sharded.get(shared_layer_and_grads(sharded, config(n, 1, L=L))(*args))
+    got = sharded.get(shared_layer_and_grads(sharded, config(n, 4, L=L, chunk_by=by))(*args))
     names = NAMES + ("d shared_w_in", "d shared_w_out")
     for name, g, r in zip(names, got, one):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
@@ -163,12 +240,16 @@ def test_hierarchical_chunks_equal_one_chunk(sharded, n, rng):
                                    err_msg=name)
 
 
-def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, rng):
-    ids, x, w, w_in, w_out, cot = _inputs(rng, n, "skewed")
+@pytest.mark.parametrize("by", ["tokens", "experts"])
+def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, rng, by):
+    L = 4 if by == "tokens" else L_X
+    ids, x, w, w_in, w_out, cot = _inputs(rng, n, "skewed", L=L)
     args = sharded.put(x, ids, w, w_in, w_out, cot)
-    worst = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1))(*args))
-    got = sharded.get(swiglu_layer_and_grads(sharded, config(n, 2, capacity=2))(*args))
-    assert np.all(got[1] == chunk_rounds(ids, n, 2, 2))
+    worst = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1, L=L))(*args))
+    got = sharded.get(swiglu_layer_and_grads(
+        sharded, config(n, 2, capacity=2, L=L, chunk_by=by))(*args))
+    assert np.all(got[1] == (chunk_rounds(ids, n, 2, 2) if by == "tokens" else
+                             expert_chunk_rounds(ids, n, 2, 2)))
     for name, g, r in zip(NAMES, got[:1] + got[2:], worst[:1] + worst[2:]):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
                                    err_msg=name)
@@ -221,16 +302,17 @@ def exchange_dependencies(closed_jaxpr, full_barriers: bool):
     return events
 
 
+@pytest.mark.parametrize("by", ["tokens", "experts"])
 def test_exchanges_do_not_wait_for_other_chunks_experts_and_experts_wait_for_the_starts(
-        sharded, n, monkeypatch):
+        sharded, n, monkeypatch, by):
     monkeypatch.setenv("EP_COMM_LOCAL_EXCHANGE", "1")  # one rank (one GPU) exchanges too
-    C = 4
-    cfg = config(n, C)
+    C, L = 4, (4 if by == "tokens" else L_X)
+    cfg = config(n, C, L=L, chunk_by=by)
     f = sharded.smap(lambda x, ids, w, wi, wo: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
                                                                  w_out=wo))
     args = sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
-                       np.ones((n * T, K), np.float32), np.zeros((4 * n, H, 2 * I), np.float32),
-                       np.zeros((4 * n, I, H), np.float32))
+                       np.ones((n * T, K), np.float32), np.zeros((L * n, H, 2 * I), np.float32),
+                       np.zeros((L * n, I, H), np.float32))
     jaxpr = jax.make_jaxpr(f)(*args)
     data = exchange_dependencies(jaxpr, full_barriers=False)
     exchanges = [e for e in data if e[0] == "x"]
@@ -376,6 +458,20 @@ def test_auto_chunks_follow_the_cost_model(n):
         c = pipeline.resolve_chunks(dataclasses.replace(cfg, cost_model=slow), H_big,
                                     jnp.bfloat16, flops, weights)
         assert c > 1 and 4096 % c == 0, c
+    # chunks of experts read the weights once: one rank gains nothing from them either; at the
+    # DeepSeek-V3 rank shape (32 experts per rank) over NVLink they pay where token chunks do not
+    by_experts = dataclasses.replace(one_rank, num_experts=32, chunk_by="experts")
+    assert pipeline.resolve_chunks(by_experts, H_big, jnp.bfloat16, flops, 8 * weights) == 1
+    if n > 1:
+        nvlink = topology.Link(3e-6, 160e9)  # every link (CPU devices' too) NVLink's
+        deepseek = dataclasses.replace(cfg, num_experts=32 * n, cost_model=topology.CostModel(
+            nvlink=nvlink, pcie=nvlink, network=nvlink))
+        c = pipeline.resolve_chunks(dataclasses.replace(deepseek, chunk_by="experts"), H_big,
+                                    jnp.bfloat16, flops, 8 * weights)
+        assert c > 1 and 32 % c == 0, c
+        assert pipeline.resolve_chunks(deepseek, H_big, jnp.bfloat16, flops, 8 * weights) < c
+    assert pipeline.chunk_counts(dataclasses.replace(cfg, num_experts=16 * n, chunk_by="experts")
+                                 ) == [c for c in (1, 2, 4, 8, 16) if 16 * n // c >= 8]
     m = topology.CostModel()
     args = (1e-3, 1e12, 256.0, 1e9)
     assert m.pipeline_seconds(1, *args) == pytest.approx(
@@ -395,6 +491,17 @@ def test_num_chunks_bad_input(sharded, n):
         with pytest.raises(ValueError, match="EPConfig: num_chunks must be a positive int or "
                                              f"'auto', got {re.escape(repr(bad))}"):
             config(n, bad)
+    with pytest.raises(ValueError, match="EPConfig: chunk_by must be one of \\('tokens', "
+                                         "'experts'\\), got 'rows'"):
+        config(n, 2, chunk_by="rows")
+    with pytest.raises(ValueError, match="EPConfig: num_chunks=3 must divide experts_per_rank=4 "
+                                         "with chunk_by='experts' \\(every chunk holds as many "
+                                         "experts\\)"):
+        config(n, 3, chunk_by="experts")
+    with pytest.raises(ValueError, match="EPConfig: num_chunks=4 leaves 2 experts per chunk "
+                                         "with chunk_by='experts', fewer than topk=3"):
+        ep_comm.EPConfig("ep", num_ranks=2, num_experts=8, topk=3, tokens_per_rank=T,
+                         num_chunks=4, chunk_by="experts")
     with pytest.raises(ValueError, match="CostModel: weight_bytes_per_s must be a finite "
                                          "number > 0, got 0"):
         topology.CostModel(weight_bytes_per_s=0)

@@ -49,10 +49,10 @@ def identity_layer(sharded, cfg):
     return sharded.smap(f)
 
 
-def routings(n):
-    """Skewed, hot-expert, empty-rank and masked routings, as hypothesis draws them."""
-    E = 4 * n
-    L = 4
+def routings(n, L=4):
+    """Skewed, hot-expert, empty-rank and masked routings over ``L`` experts per rank, as
+    hypothesis draws them."""
+    E = L * n
 
     def make(args):
         kind, hot, mask_p, bits = args
