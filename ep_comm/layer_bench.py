@@ -320,7 +320,7 @@ def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, fa
 
 
 def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, chunk_counts,
-                   profile=None, with_grad=True, shared_inter=0):
+                   profile=None, with_grad=True, shared_inter=0, chunk_by=("tokens",)):
     """The chunked pipeline (``EPConfig.num_chunks``) against the experts alone.
 
     ``experts alone``: the SwiGLU grouped GEMMs over the whole dispatched buffer, nothing else
@@ -332,7 +332,8 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     device the layer exchanges nothing (its route is local): ``EP_COMM_LOCAL_EXCHANGE=1`` is set
     here so that one rank runs its exchanges through the transport (a self-exchange), as it
     would with peers. ``shared_inter``: a shared SwiGLU expert of that width (0: none), in the
-    layer and in the experts alone."""
+    layer and in the experts alone. ``chunk_by``: the ``EPConfig.chunk_by`` values to run each
+    chunk count with (a count the mode does not allow is left out)."""
     os.environ["EP_COMM_LOCAL_EXCHANGE"] = "1"
     mesh = jax.make_mesh((jax.device_count(),), ("ep",),
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -366,8 +367,19 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     results = [dict(chunks="experts alone", time_us=t_alone, x_experts=1.0)]
     print(f"  experts alone: {t_alone:.1f} us", flush=True)
     ref = None
-    for C in chunk_counts:
-        cfg = dataclasses.replace(base, num_chunks=C)
+    runs = []
+    for by in chunk_by:
+        for C in chunk_counts:
+            if (by, C) in runs or (C == 1 and by != chunk_by[0]):
+                continue  # one chunk is the same layer whatever it would cut
+            try:
+                dataclasses.replace(base, num_chunks=C, chunk_by=by)
+            except ValueError as e:
+                print(f"  chunk_by={by} num_chunks={C}: left out ({e})", flush=True)
+                continue
+            runs.append((by, C))
+    for by, C in runs:
+        cfg = dataclasses.replace(base, num_chunks=C, chunk_by=by)
         f = lambda x, ids, w, wi, wo, *s, cfg=cfg: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
                                                                      w_out=wo, **sw(s))
         fwd = smap(f)
@@ -380,12 +392,15 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
         wrong = int(np.sum(np.abs(y - ref) > 4 * eps * (1 + np.abs(ref))))
         t = median_us(fwd, args, warmup, iters)
         order = pipeline.schedule_order(fwd.lower(*args).compile().as_text())
-        rep = dict(chunks=f"{C} ({chunks})" if C == "auto" else str(C), num_chunks=chunks,
+        label = f"{C} ({chunks})" if C == "auto" else str(C)
+        rep = dict(chunks=label if by == "tokens" else f"{label} experts", num_chunks=chunks,
+                   chunk_by=by,
                    time_us=t, x_experts=t / t_alone, wrong_vs_1=wrong,
                    schedule=_schedule_verdict(order, chunks),
                    order=pipeline.order_summary(order))
         if profile:
-            rep.update(_overlap_in_trace(os.path.join(profile, f"chunks{chunks}"), fwd, args))
+            rep.update(_overlap_in_trace(os.path.join(profile, f"chunks{chunks}_{by}"), fwd,
+                                         args))
         if with_grad and C in (1, 4):
             loss = lambda *a, f=f: jnp.sum(jax.shard_map(f, mesh=mesh, in_specs=P("ep"),
                                                          out_specs=P("ep"))(*a).astype(
@@ -578,6 +593,8 @@ def main(argv=None):
                     help="comma-separated: gemm, layer, rounds, overlap")
     ap.add_argument("--chunks", default="1,2,4,8,auto",
                     help="overlap: the num_chunks values to run (comma-separated)")
+    ap.add_argument("--chunk-by", default="tokens",
+                    help="overlap: comma-separated EPConfig.chunk_by values (tokens, experts)")
     ap.add_argument("--shared-intermediate", type=int, default=0,
                     help="overlap: a shared SwiGLU expert of this width (0: none)")
     ap.add_argument("--rounds-factor", type=float, default=2.0,
@@ -621,7 +638,8 @@ def main(argv=None):
             yield overlap_report(args.tokens, args.hidden, args.intermediate, E, args.topk,
                                  dtype, args.warmup, args.iters,
                                  [c if c == "auto" else int(c) for c in args.chunks.split(",")],
-                                 args.profile, shared_inter=args.shared_intermediate)
+                                 args.profile, shared_inter=args.shared_intermediate,
+                                 chunk_by=tuple(args.chunk_by.split(",")))
         if "layer" in parts:
             yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
                                args.warmup, args.iters, args.implementation, args.xla_max_gib,
