@@ -29,7 +29,8 @@ class MoEOutput:
       y: ``(T, H)``, the layer's output (as ``moe_layer`` returns it alone).
       handle: the :class:`EPHandle` of the layer's dispatch (group sizes, drops, traffic) when it
         ran as one exchange (one chunk, ``config.recv_capacity`` at the worst case); ``None``
-        with chunks or rounds.
+        with chunks or rounds. Not differentiable when a shared expert ran (the layer's
+        pipeline, with one chunk, returns it without gradient).
       rounds: ``(1,)`` int32; the pieces of the exchange the layer processed: the sum over its
         chunks of the rounds each took (1 with one chunk at the worst-case capacity;
         ``num_chunks`` when every chunk fits one round).
@@ -173,7 +174,7 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         return combine(checked(expert_x, handle.group_sizes, params), handle), handle
 
     shared_y = None  # the shared expert's output (float32), where the pipeline computed it
-    if one.is_dropless and chunks == 1:  # one round holds every pair any routing can send
+    if one.is_dropless and chunks == 1 and not all(shared):  # one round holds every pair
         y, handle = layer_once(x, topk_ids, topk_weights, params)
         rounds = jnp.ones((1,), jnp.int32)
     else:
@@ -189,8 +190,9 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                 experts, match_vma(jnp.zeros((one.expert_rows, H), x.dtype), x),
                 match_vma(jnp.zeros((L,), jnp.int32), x))
             run_experts = lambda ex, gs, p: converted(ex, gs, *p)
-        if one.is_dropless:  # chunks, each one round: the pipeline (the shared expert in it)
-            y, shared_y = run_pipeline(
+        if one.is_dropless:  # chunks, each one round: the pipeline (the shared expert in it,
+            # in halves under the first dispatch and the last combine; also with one chunk)
+            y, shared_y, handle = run_pipeline(
                 checked, config, chunks, x, topk_ids, topk_weights, params,
                 (lambda rows, p: shared_swiglu(rows, *p)) if all(shared) else None,
                 (shared_w_in, shared_w_out) if all(shared) else ())
