@@ -129,28 +129,34 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
         config = TOKAMAX_CONFIGS.get(pass_name, "heuristics") if _hopper() else "heuristics"
     kernel = _tokamax_kernel(None if config == "heuristics" else tuple(sorted(config.items())))
 
-    def tokamax(a, b, group_sizes, out_dtype):
+    def tokamax(a, b, group_sizes, out_dtype, zero_tail=True):
         # 16-bit inputs: every precision is the same product (explicit, so that a global
         # jax_default_matmul_precision does not make the kernel decline)
         out = kernel(a, b, group_sizes=group_sizes, ragged_dot_dimension_numbers=dims,
                      precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         # The drhs kernel masks rows outside a group by multiplying with 0, so the rows past the
         # groups it reads must be finite: they are, since the row passes zero them here.
-        return out if pass_name == "drhs" else _zero_past_groups(out, group_sizes)
+        if pass_name == "drhs" or not zero_tail:
+            return out
+        return _zero_past_groups(out, group_sizes)
     return tokamax
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, group_sizes, impls, out_dtype):
-    out = pass_kernel("forward", impls[0])(x, w, group_sizes, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped(x, w, group_sizes, impls, out_dtype, zero_tail):
+    kernel = pass_kernel("forward", impls[0])
+    if impls[0] == "tokamax":
+        out = kernel(x, w, group_sizes, out_dtype, zero_tail)
+    else:  # (lax.ragged_dot zeroes them anyway)
+        out = kernel(x, w, group_sizes, out_dtype)
     return match_vma(match_vma(out, x), w)
 
 
-def _grouped_fwd(x, w, group_sizes, impls, out_dtype):
-    return _grouped(x, w, group_sizes, impls, out_dtype), (x, w, group_sizes)
+def _grouped_fwd(x, w, group_sizes, impls, out_dtype, zero_tail):
+    return _grouped(x, w, group_sizes, impls, out_dtype, zero_tail), (x, w, group_sizes)
 
 
-def _grouped_bwd(impls, out_dtype, res, dy):
+def _grouped_bwd(impls, out_dtype, zero_tail, res, dy):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)  # kernels take one input dtype; they accumulate in float32
     if "tokamax" in impls[1:]:  # rows past the groups: zero, as the output's are (fused select)
@@ -165,7 +171,7 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
-                   implementation: str | dict = "auto"):
+                   implementation: str | dict = "auto", zero_past_groups: bool = True):
     """Grouped GEMM with ``jax.lax.ragged_dot`` semantics; differentiable in ``x`` and ``w``.
 
     Args:
@@ -180,9 +186,15 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
       preferred_element_type: output dtype (default ``x.dtype``); kernels accumulate in float32.
       implementation: ``"auto"``, ``"xla"`` or ``"tokamax"`` for every pass, or a dict
         ``{"forward": ..., "dlhs": ..., "drhs": ...}`` choosing per pass (missing passes: auto).
+      zero_past_groups: ``True`` (default): the output's rows past the groups are zero.
+        ``False``: they are unspecified (tokamax does not write them; this saves a pass over the
+        whole ``(M, N)`` output, which XLA cannot fuse into a consumer that is a custom call,
+        such as :func:`ep_comm.combine`'s row kernels). For a consumer that reads only the
+        groups' rows.
 
     Returns:
-      ``(M, N)``: ``out[r] = x[r] @ w[g]`` for row ``r`` of group ``g``; zero past the groups.
+      ``(M, N)``: ``out[r] = x[r] @ w[g]`` for row ``r`` of group ``g``; past the groups as
+      ``zero_past_groups`` says.
     """
     api = "grouped_matmul"
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
@@ -208,4 +220,7 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
     else:
         choice = [implementation] * len(PASSES)
     impls = tuple(resolve(c, x.dtype, api) for c in choice)
-    return _grouped(x, w, group_sizes.astype(jnp.int32), impls, out_dtype)
+    if not isinstance(zero_past_groups, bool):
+        raise TypeError(f"{api}: zero_past_groups must be a bool, got "
+                        f"{type(zero_past_groups).__name__}")
+    return _grouped(x, w, group_sizes.astype(jnp.int32), impls, out_dtype, zero_past_groups)

@@ -55,14 +55,18 @@ def shared_swiglu(x, shared_w_in, shared_w_out):
                    preferred_element_type=jnp.float32)
 
 
-def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto"):
+def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto", *,
+                   zero_past_groups: bool = True):
     """SwiGLU experts over grouped rows: ``swiglu(x @ w_in[g]) @ w_out[g]`` per group ``g``.
 
     ``w_in`` is ``(G, H, 2I)`` with the gate projection in its first ``I`` columns and the up
-    projection in the last ``I`` (one GEMM for both), ``w_out`` is ``(G, I, H)``."""
+    projection in the last ``I`` (one GEMM for both), ``w_out`` is ``(G, I, H)``. Rows past the
+    groups: zero, or unspecified with ``zero_past_groups=False`` (one pass over the output less:
+    :func:`ep_comm.grouped_matmul`), as :func:`moe_layer` runs them (combine reads only the
+    groups' rows)."""
     u = grouped_matmul(expert_x, w_in, group_sizes, implementation=implementation)
     return grouped_matmul(swiglu(u, w_out.shape[1]), w_out, group_sizes,
-                          implementation=implementation)
+                          implementation=implementation, zero_past_groups=zero_past_groups)
 
 
 def _check_weight(api, name, a, shape, dtype, what):
@@ -131,7 +135,9 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         _check_weight(api, "w_out", w_out, (L, inter, H), x.dtype,
                       "(experts_per_rank, intermediate, hidden)")
         params = (w_in, w_out)
-        run_experts = lambda ex, gs, p: swiglu_experts(ex, gs, *p, implementation)
+        # combine reads only the groups' rows: expert_y's tail needs no zeroing pass
+        run_experts = lambda ex, gs, p: swiglu_experts(ex, gs, *p, implementation,  # noqa
+                                                       zero_past_groups=False)
     else:
         if w_in is not None or w_out is not None:
             raise ValueError(f"{api}: pass either experts= or the SwiGLU weights w_in/w_out, "

@@ -357,7 +357,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     ex, handle = smap(functools.partial(ep_comm.dispatch, config=base))(*args[:3])
     gs = handle.group_sizes
     def experts_alone(e, g, wi, wo, x, *s):
-        y = ep_comm.swiglu_experts(e, g, wi, wo)
+        y = ep_comm.swiglu_experts(e, g, wi, wo, zero_past_groups=False)  # as the layer
         if s:  # and the shared expert over the tokens
             return y, ep_comm.layer.shared_swiglu(x, s[0][0], s[1][0])
         return y

@@ -87,6 +87,24 @@ def test_grouped_matmul_per_pass_choice(rng):
                               rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_matmul_without_zeroing_the_tail_equals_it_on_the_groups(rng, dtype):
+    """zero_past_groups=False (as moe_layer runs its second GEMM): the groups' rows and both
+    gradients are those of the zeroing call (tokamax on a GPU, lax.ragged_dot elsewhere)."""
+    x, w, gs, cot = _ragged_case(rng, GROUPINGS["rows past the groups"], dtype)
+    total = int(np.sum(GROUPINGS["rows past the groups"]))
+
+    def f(zero):
+        def run(x, w):
+            out, vjp = jax.vjp(lambda x, w: ep_comm.grouped_matmul(
+                x, w, gs, zero_past_groups=zero), x, w)
+            return (out[:total],) + vjp(cot)
+        return jax.jit(run)(x, w)
+    for name, g, r in zip(("out", "dx", "dw"), f(False), f(True)):
+        np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(r, np.float64),
+                                      err_msg=name)
+
+
 def _raises(fn, message):
     with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         fn()
@@ -123,6 +141,8 @@ def test_grouped_matmul_rejects_bad_input():
             "jax >= 0.11.1), which does not import here" if not gemm.tokamax_available() else
             "grouped_matmul: implementation='tokamax' takes bfloat16 or float16 inputs, "
             "got float32")
+    _raises(lambda: gmm(x, w, gs, zero_past_groups=1),
+            "grouped_matmul: zero_past_groups must be a bool, got int")
 
 
 # ---- moe_layer -----------------------------------------------------------------------------------
