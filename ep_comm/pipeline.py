@@ -1,8 +1,17 @@
-"""The MoE layer as a pipeline of token chunks (``EPConfig.num_chunks``).
+"""The MoE layer as a pipeline of chunks (``EPConfig.num_chunks``, ``EPConfig.chunk_by``).
 
-The layer's ``T`` tokens are split into ``C`` chunks of ``T / C`` tokens; each chunk is a whole
-dispatch, experts and combine of its own (:func:`chunk_config`). They are issued so that the
-exchanges of one chunk run while the experts of another compute::
+The layer's work is split into ``C`` chunks, each a whole dispatch, experts and combine of its own
+(:func:`chunk_config`):
+
+- ``chunk_by="tokens"``: chunk ``c`` is tokens ``[c T / C, (c + 1) T / C)`` with all their
+  experts. Every chunk's GEMMs read all of the rank's expert weights again.
+- ``chunk_by="experts"``: chunk ``c`` is every token's pairs with local experts ``[c L / C, (c +
+  1) L / C)`` of each rank (:func:`chunk_routing`), an exchange of ``num_experts / C`` experts.
+  Each expert's GEMM runs once over all its rows (the weights are read once); a token with
+  experts in several chunks on one rank is sent once per chunk, and the chunks' outputs are
+  added in float32 (:func:`join_chunks`).
+
+They are issued so that the exchanges of one chunk run while the experts of another compute::
 
     dispatch 0
     step c = 0 .. C-1:   start dispatch c+1, start combine c-1 | experts c | finish both
@@ -22,12 +31,16 @@ without concurrency, and so are the results.
 
 The first chunk's dispatch and the last chunk's combine have no experts to hide under: ``(C - 1)
 / C`` of the exchange time can hide under the experts. Dense work on the tokens that does not need
-the exchange (the layer's shared expert: ``side``) runs in two halves under those two. The hierarchical plan's second stage runs when its
-chunk is finished (after its first stage), so only its first stage overlaps.
+the exchange (the layer's shared expert: ``side``) runs in two halves under those two; the layer
+runs a shared expert this way with one chunk too (``C = 1``: the shared expert hides its
+dispatch and its combine). The hierarchical plan's second stage runs when its chunk is finished
+(after its first stage), so only its first stage overlaps.
 
-Results equal the unchunked layer's: every token's rows go through the same experts and its
-combine sums the same terms in the same order (a GEMM's rows do not depend on the other rows of
-its group, up to the kernel's choice of tiling).
+Results equal the unchunked layer's. Token chunks: every token's rows go through the same experts
+and its combine sums the same terms in the same order (a GEMM's rows do not depend on the other
+rows of its group, up to the kernel's choice of tiling). Expert chunks: each chunk sums a part of
+a token's terms, and the parts add in float32 (reassociation; in a 16-bit combine dtype, each
+part is rounded once, as each rank's partial sum is without chunks).
 
 Differentiation: a custom VJP. The forward keeps each chunk's expert VJP (the GEMMs' residuals,
 as plain autodiff does), its ``expert_y`` and its handle; the backward pass runs, chunk by chunk,

@@ -83,11 +83,15 @@ if step overlap; then
   fi
   "$PY" -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_layer.py 2>&1 | tail -3 \
     | tee "$OUT/overlap_tests.txt"
-  for B in 0 4; do
-    CH=$([ "$B" = 0 ] && echo 1,4,auto || echo 1,2,4,8)
+  # B: the self copy's blocks (0: full speed; 4: a stand-in for a peer link), S: shared expert
+  # width, then the chunk counts; every count as chunks of tokens and of experts
+  for run in "4 2048 1,2,4" "0 2048 1,4,auto" "4 0 1,4"; do
+    read -r B S CH <<< "$run"; tag="overlap_shared${S}_blocks$B"
     EP_COMM_SELF_COPY_BLOCKS=$B "$PY" -m ep_comm.layer_bench --parts overlap --tokens 4096 \
       --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --iters 10 --warmup 2 --chunks "$CH" \
-      --profile "/tmp/ovl$B" --json "$OUT/overlap_blocks$B.json" 2>&1 | tee "$OUT/overlap_blocks$B.txt"
+      --chunk-by tokens,experts --shared-intermediate "$S" --profile "/tmp/$tag" \
+      --json "$OUT/$tag.json" 2>&1 | tee "$OUT/$tag.txt"
+    "$PY" scripts/kernel_summary.py /tmp/"$tag"/* > "$OUT/${tag}_kernels.txt" 2>&1
   done
 fi
 if step lifecycle; then
