@@ -84,7 +84,9 @@ class EPConfig:
         chunk ``c`` is every token's pairs with the local experts ``[c * L / C, (c + 1) * L /
         C)`` of each rank (``L = experts_per_rank``); each expert's GEMM runs once, over all its
         rows, so the weights are read once, but a token with experts in several chunks on one
-        rank is sent once per chunk. ``num_chunks`` must then divide ``experts_per_rank``.
+        rank is sent once per chunk. ``num_chunks`` must then divide ``experts_per_rank`` and
+        leave at least ``topk`` experts per chunk (``num_experts / num_chunks >= topk``: each
+        chunk's exchange is one of that many experts). Every rank must use the same value.
 
     Memory per rank (``H`` hidden size, ``b`` bytes per element of ``x``), see :meth:`buffer_bytes`:
       send buffer ``S = T * min(topk, num_ranks)`` rows; token receive buffer
