@@ -16,7 +16,7 @@ from ep_comm.layout import check_topk_ids
 from ep_comm.moe import check_float, combine, dispatch
 from ep_comm.pipeline import (chunk_config, chunk_group_sizes, chunk_operands, chunk_routing,
                               join_chunks, resolve_chunks, run_pipeline)
-from ep_comm.rounds import merge_repeats, run_rounds
+from ep_comm.rounds import first_round, merge_repeats, run_rounds
 from topology.jax_compat import match_vma
 
 
@@ -32,8 +32,8 @@ class MoEOutput:
         with chunks or rounds. Not differentiable when a shared expert ran (the layer's
         pipeline, with one chunk, returns it without gradient).
       rounds: ``(1,)`` int32; the pieces of the exchange the layer processed: the sum over its
-        chunks of the rounds each took (1 with one chunk at the worst-case capacity;
-        ``num_chunks`` when every chunk fits one round).
+        chunks of the rounds each took, ``max(1, ceil(max load / recv_capacity))`` (1 with one
+        chunk at the worst-case capacity; ``num_chunks`` when every chunk fits one round).
     """
 
     y: jax.Array
@@ -87,7 +87,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
     With ``config.num_chunks`` above 1 the layer runs as a pipeline of chunks (of tokens, or of
     each rank's experts: ``config.chunk_by``) whose exchanges overlap the experts of their
     neighbours (:mod:`ep_comm.pipeline`); ``recv_capacity`` is then the expert buffer of one
-    chunk (a chunk below its own worst case runs in rounds, the chunks one after another).
+    chunk. In rounds, each chunk's first round runs in the pipeline (a shared expert too, at one
+    chunk as well) and the pairs that did not fit in rounds after it, chunk by chunk.
 
     Call inside ``jax.shard_map`` over ``config.axis_name``; expert weights are sharded over that
     axis (this rank holds experts ``[r * E_local, (r + 1) * E_local)``, ``E_local =
@@ -196,18 +197,30 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                 experts, match_vma(jnp.zeros((one.expert_rows, H), x.dtype), x),
                 match_vma(jnp.zeros((L,), jnp.int32), x))
             run_experts = lambda ex, gs, p: converted(ex, gs, *p)
-        if one.is_dropless:  # chunks, each one round: the pipeline (the shared expert in it,
-            # in halves under the first dispatch and the last combine; also with one chunk)
-            y, shared_y, handle = run_pipeline(
-                checked, config, chunks, x, topk_ids, topk_weights, params,
-                (lambda rows, p: shared_swiglu(rows, *p)) if all(shared) else None,
-                (shared_w_in, shared_w_out) if all(shared) else ())
-            rounds = jnp.full((1,), chunks, jnp.int32)
-        else:  # rounds of at most one.expert_rows pairs per rank, chunk after chunk
-            ids, weights = merge_repeats(topk_ids, topk_weights)
-            ys, rounds = [], 0
-            parts = chunk_operands(config, chunks, x, ids, weights)
-            for c, (x_c, ids_c, w_c) in enumerate(parts):
+        first, rest = topk_ids, None
+        if not one.is_dropless:
+            # dropless rounds: each chunk's first round (at most one.expert_rows pairs per rank)
+            # runs in the pipeline; what did not fit, in rounds after it, chunk by chunk
+            ids, topk_weights = merge_repeats(topk_ids, topk_weights)
+            parts = chunk_operands(config, chunks, x, ids, topk_weights)
+            taken = join_chunks(config, [
+                first_round(chunk_routing(config, chunks, c, i, w)[0], one).astype(jnp.int32)
+                for c, (_, i, w) in enumerate(parts)]) > 0
+            valid = (ids >= 0) & (ids < config.num_experts)
+            # (an id out of range goes to dispatch, which counts it or raises, as without rounds)
+            first = jnp.where(taken | ~valid, ids, -1)
+            rest = jnp.where(valid & ~taken, ids, -1)
+        # the pipeline of chunks (with one chunk: the shared expert under its exchanges)
+        y, shared_y, handle = run_pipeline(
+            checked, config, chunks, x, first, topk_weights, params,
+            (lambda rows, p: shared_swiglu(rows, *p)) if all(shared) else None,
+            (shared_w_in, shared_w_out) if all(shared) else ())
+        rounds = jnp.full((1,), chunks, jnp.int32)
+        if rest is not None:
+            handle = None  # (the first round's only)
+            ys = []
+            for c, (x_c, ids_c, w_c) in enumerate(chunk_operands(config, chunks, x, rest,
+                                                                 topk_weights)):
                 def one_round(x, ids, weights, params, c=c):
                     expert_x, handle = dispatch(x, ids, weights, one)
                     group_sizes = chunk_group_sizes(config, chunks, c, handle.group_sizes)
@@ -217,7 +230,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                                       *chunk_routing(config, chunks, c, ids_c, w_c), params, one)
                 ys.append(y_c)
                 rounds = rounds + r_c
-            y, rounds = join_chunks(config, ys), rounds[None]
+            # the first round's output and the later rounds' add in float32, each rounded to
+            # x's dtype (as run_rounds adds its rounds)
+            y = (y.astype(jnp.float32) + join_chunks(config, ys).astype(jnp.float32)).astype(
+                y.dtype)
     if all(shared) and shared_y is None:
         shared_y = shared_swiglu(x, shared_w_in, shared_w_out)
     if shared_y is not None:

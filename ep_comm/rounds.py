@@ -13,7 +13,8 @@ round, destination ``d`` takes its remaining pairs from sources in rank order up
 sends to ``d`` its next ``quota[s, d]`` pairs in (token, k) order. Every round serves
 ``min(C, remaining)`` pairs at every destination, so the rounds number exactly
 ``ceil(max_d load_d / C)``. Pairs that list an expert twice are merged first (weights added), as
-dispatch does.
+dispatch does. :func:`ep_comm.moe_layer` runs the first round (:func:`first_round`) in its
+pipeline and only what did not fit through :func:`run_rounds`.
 
 The rounds' outputs are summed in float32 (each is rounded to ``x.dtype`` first, as the layer's
 output is). Differentiation: the forward pass is a ``lax.while_loop`` over rounds; the backward pass (a custom
@@ -81,6 +82,16 @@ def _next_round(ids, schedule, remaining, served, capacity):
     lo = jnp.take(served, d)
     take = (dest < n) & (pos >= lo) & (pos < lo + jnp.take(mine, d))
     return jnp.where(take, ids, -1), remaining - quota, served + mine
+
+
+def first_round(ids, cfg: EPConfig):
+    """``(T, K)`` bool: the pairs of ``ids`` (repeats merged) that the first round of
+    :func:`run_rounds` serves -- at every destination, up to ``cfg.expert_rows`` of them. The
+    layer runs that round in its pipeline and the rest with :func:`run_rounds`."""
+    dest, pos, counts, me = _schedule(ids, cfg)
+    round_ids, _, _ = _next_round(ids, (dest, pos, me), counts, _served0(cfg, counts, ids),
+                                  cfg.expert_rows)
+    return round_ids >= 0
 
 
 def run_rounds(one_round, x, ids, weights, params, cfg: EPConfig):

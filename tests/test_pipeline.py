@@ -146,8 +146,8 @@ def chunk_rounds(ids, n, chunks, capacity):
         part = np.concatenate([ids[r * T + c * Tc: r * T + (c + 1) * Tc] for r in range(n)])
         per_chunk_worst = n * Tc * min(K, 4)
         cap = capacity if capacity is not None and capacity < per_chunk_worst else None
-        # (a chunk with no pairs takes no round)
-        total += 1 if cap is None else math.ceil(max_load(part, n, 4 * n) / cap)
+        # (a chunk's first round runs in the pipeline, with pairs or without)
+        total += 1 if cap is None else max(1, math.ceil(max_load(part, n, 4 * n) / cap))
     return total
 
 
@@ -160,8 +160,9 @@ def expert_chunk_rounds(ids, n, chunks, capacity, L=L_X):
         part = np.where((ids >= 0) & (ids < n * L) & ((ids % L) // Lc == c), ids, -1)
         worst = n * T * min(K, Lc)
         cap = capacity if capacity is not None and capacity < worst else None
-        # (a chunk with no pairs takes no round: with few ranks, a chunk of experts often)
-        total += 1 if cap is None else math.ceil(max_load(part, n, n * L) / cap)
+        # (a chunk's first round runs in the pipeline even without pairs: with few ranks, a
+        # chunk of experts often has none)
+        total += 1 if cap is None else max(1, math.ceil(max_load(part, n, n * L) / cap))
     return total
 
 
@@ -305,12 +306,13 @@ def exchange_dependencies(closed_jaxpr, full_barriers: bool):
     return events
 
 
-@pytest.mark.parametrize("by", ["tokens", "experts"])
+@pytest.mark.parametrize("by,capacity", [("tokens", None), ("experts", None),
+                                         ("tokens", 2)])  # (rounds: the first in the pipeline)
 def test_exchanges_do_not_wait_for_other_chunks_experts_and_experts_wait_for_the_starts(
-        sharded, n, monkeypatch, by):
+        sharded, n, monkeypatch, by, capacity):
     monkeypatch.setenv("EP_COMM_LOCAL_EXCHANGE", "1")  # one rank (one GPU) exchanges too
     C, L = 4, (4 if by == "tokens" else L_X)
-    cfg = config(n, C, L=L, chunk_by=by)
+    cfg = config(n, C, capacity, L=L, chunk_by=by)
     f = sharded.smap(lambda x, ids, w, wi, wo: ep_comm.moe_layer(x, ids, w, cfg, w_in=wi,
                                                                  w_out=wo))
     args = sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
