@@ -26,8 +26,8 @@ removes them first, which on CPU only changes the order of work that does not ov
 experts of chunk ``c`` take, through a barrier, the started exchanges' buffers (so they are issued
 after the starts), the dones take the experts' output (so they wait behind the experts), and the
 starts take chunk ``c``'s expanded rows (so they start right before its experts, not under the
-non-GEMM work before them). The other transports complete an exchange at its start: the schedule is the same,
-without concurrency, and so are the results.
+non-GEMM work before them). The other transports complete an exchange at its start: the schedule
+is the same, without concurrency, and so are the results.
 
 The first chunk's dispatch and the last chunk's combine have no experts to hide under: ``(C - 1)
 / C`` of the exchange time can hide under the experts. Dense work on the tokens that does not need
@@ -240,12 +240,12 @@ def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, param
                  side=None, side_params=()):
     """The routed experts' output ``(T, H)`` over ``chunks`` pipelined chunks, the output of
     ``side`` (float32 ``(T, H)``, or ``None`` without it) and, with one chunk, dispatch's handle
-    (``None`` with more: each chunk has its own); the handle carries no gradient. ``run_experts(expert_x, group_sizes,
-    params)`` -> ``expert_y``; it may not close over traced values (``params`` is its
-    differentiable pytree of arrays). ``ids``/``weights`` as :func:`ep_comm.dispatch` takes them.
-    ``side(x_rows, side_params)`` -> float32 rows: dense work on the tokens (the shared expert),
-    run in two halves of the tokens under the two exchanges nothing else hides, the first chunk's
-    dispatch and the last chunk's combine."""
+    (``None`` with more: each chunk has its own); the handle carries no gradient.
+    ``run_experts(expert_x, group_sizes, params)`` -> ``expert_y``; it may not close over traced
+    values (``params`` is its differentiable pytree of arrays). ``ids``/``weights`` as
+    :func:`ep_comm.dispatch` takes them. ``side(x_rows, side_params)`` -> float32 rows: dense
+    work on the tokens (the shared expert), run in two halves of the tokens under the two
+    exchanges nothing else hides, the first chunk's dispatch and the last chunk's combine."""
     y, side_y, handle = _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params,
                                   side_params)
     return y, side_y, lax.stop_gradient(handle)
