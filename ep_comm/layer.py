@@ -29,8 +29,7 @@ class MoEOutput:
       y: ``(T, H)``, the layer's output (as ``moe_layer`` returns it alone).
       handle: the :class:`EPHandle` of the layer's dispatch (group sizes, drops, traffic) when it
         ran as one exchange (one chunk, ``config.recv_capacity`` at the worst case); ``None``
-        with chunks or rounds. Not differentiable when a shared expert ran (the layer's
-        pipeline, with one chunk, returns it without gradient).
+        with chunks or rounds.
       rounds: ``(1,)`` int32; the pieces of the exchange the layer processed: the sum over its
         chunks of the rounds each took, ``max(1, ceil(max load / recv_capacity))`` (1 with one
         chunk at the worst-case capacity; ``num_chunks`` when every chunk fits one round).
@@ -87,8 +86,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
     With ``config.num_chunks`` above 1 the layer runs as a pipeline of chunks (of tokens, or of
     each rank's experts: ``config.chunk_by``) whose exchanges overlap the experts of their
     neighbours (:mod:`ep_comm.pipeline`); ``recv_capacity`` is then the expert buffer of one
-    chunk. In rounds, each chunk's first round runs in the pipeline (a shared expert too, at one
-    chunk as well) and the pairs that did not fit in rounds after it, chunk by chunk.
+    chunk. In rounds, each chunk's first round runs in the pipeline and the pairs that did not
+    fit in rounds after it, chunk by chunk.
 
     Call inside ``jax.shard_map`` over ``config.axis_name``; expert weights are sharded over that
     axis (this rank holds experts ``[r * E_local, (r + 1) * E_local)``, ``E_local =
@@ -181,7 +180,7 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         return combine(checked(expert_x, handle.group_sizes, params), handle), handle
 
     shared_y = None  # the shared expert's output (float32), where the pipeline computed it
-    if one.is_dropless and chunks == 1 and not all(shared):  # one round holds every pair
+    if one.is_dropless and chunks == 1:  # one round holds every pair any routing can send
         y, handle = layer_once(x, topk_ids, topk_weights, params)
         rounds = jnp.ones((1,), jnp.int32)
     else:
@@ -210,14 +209,15 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
             # (an id out of range goes to dispatch, which counts it or raises, as without rounds)
             first = jnp.where(taken | ~valid, ids, -1)
             rest = jnp.where(valid & ~taken, ids, -1)
-        # the pipeline of chunks (with one chunk: the shared expert under its exchanges)
-        y, shared_y, handle = run_pipeline(
+        # the pipeline of chunks, the shared expert in it under the end exchanges (one chunk,
+        # in rounds, is the serial layer's first round: the shared expert after it)
+        in_pipeline = all(shared) and chunks > 1
+        y, shared_y = run_pipeline(
             checked, config, chunks, x, first, topk_weights, params,
-            (lambda rows, p: shared_swiglu(rows, *p)) if all(shared) else None,
-            (shared_w_in, shared_w_out) if all(shared) else ())
+            (lambda rows, p: shared_swiglu(rows, *p)) if in_pipeline else None,
+            (shared_w_in, shared_w_out) if in_pipeline else ())
         rounds = jnp.full((1,), chunks, jnp.int32)
         if rest is not None:
-            handle = None  # (the first round's only)
             ys = []
             for c, (x_c, ids_c, w_c) in enumerate(chunk_operands(config, chunks, x, rest,
                                                                  topk_weights)):

@@ -31,10 +31,9 @@ is the same, without concurrency, and so are the results.
 
 The first chunk's dispatch and the last chunk's combine have no experts to hide under: ``(C - 1)
 / C`` of the exchange time can hide under the experts. Dense work on the tokens that does not need
-the exchange (the layer's shared expert: ``side``) runs in two halves under those two; the layer
-runs a shared expert this way with one chunk too (``C = 1``: the shared expert hides its
-dispatch and its combine). The hierarchical plan's second stage runs when its chunk is finished
-(after its first stage), so only its first stage overlaps.
+the exchange (the layer's shared expert: ``side``) runs in two halves under those two. The
+hierarchical plan's second stage runs when its chunk is finished (after its first stage), so
+only its first stage overlaps.
 
 Results equal the unchunked layer's. Token chunks: every token's rows go through the same experts
 and its combine sums the same terms in the same order (a GEMM's rows do not depend on the other
@@ -238,17 +237,14 @@ def _after(value, after):
 
 def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, params,
                  side=None, side_params=()):
-    """The routed experts' output ``(T, H)`` over ``chunks`` pipelined chunks, the output of
-    ``side`` (float32 ``(T, H)``, or ``None`` without it) and, with one chunk, dispatch's handle
-    (``None`` with more: each chunk has its own); the handle carries no gradient.
-    ``run_experts(expert_x, group_sizes, params)`` -> ``expert_y``; it may not close over traced
-    values (``params`` is its differentiable pytree of arrays). ``ids``/``weights`` as
+    """The routed experts' output ``(T, H)`` over ``chunks`` pipelined chunks, and the output of
+    ``side`` (float32 ``(T, H)``, or ``None`` without it). ``run_experts(expert_x, group_sizes,
+    params)`` -> ``expert_y``; it may not close over traced values (``params`` is its
+    differentiable pytree of arrays). ``ids``/``weights`` as
     :func:`ep_comm.dispatch` takes them. ``side(x_rows, side_params)`` -> float32 rows: dense
     work on the tokens (the shared expert), run in two halves of the tokens under the two
     exchanges nothing else hides, the first chunk's dispatch and the last chunk's combine."""
-    y, side_y, handle = _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params,
-                                  side_params)
-    return y, side_y, lax.stop_gradient(handle)
+    return _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params)
 
 
 def _split(a, chunks):
@@ -323,8 +319,7 @@ def _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_param
         sides.append(_side_half(side, x, 1, side_params, comb.in_flight(), keep))
     ys[chunks - 1] = comb.finish(after=sides[1][0] if sides else None)
     side_y = jnp.concatenate([s[0] for s in sides]) if sides else None
-    handle = saved[0][1] if chunks == 1 else None
-    return (join_chunks(cfg, ys), side_y, handle), (saved, [s[1] for s in sides])
+    return (join_chunks(cfg, ys), side_y), (saved, [s[1] for s in sides])
 
 
 def _pipeline_fwd(run_experts, side, cfg, chunks, x, ids, weights, params, side_params):
@@ -335,7 +330,7 @@ def _pipeline_fwd(run_experts, side, cfg, chunks, x, ids, weights, params, side_
 
 def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
     x, ids, weights, params, side_params, (saved, side_vjps) = res
-    g, g_side, _ = cts  # (the handle's: it is returned without gradient)
+    g, g_side = cts
     f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
     cast_like = lambda d, like: jax.tree.map(lambda a, b: a.astype(b.dtype), d, like)  # noqa
     d_x_side, d_side_params = None, side_params  # (side_params is () without a side)

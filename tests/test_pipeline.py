@@ -327,21 +327,16 @@ def test_exchanges_do_not_wait_for_other_chunks_experts_and_experts_wait_for_the
             assert ("x", c - 1, "combine") in deps, c
 
 
-@pytest.mark.parametrize("C", [1, 4])
+@pytest.mark.parametrize("C,capacity", [(4, None), (4, 2)])
 def test_the_shared_expert_runs_under_the_first_dispatch_and_the_last_combine(sharded, n,
-                                                                            monkeypatch, C):
-    """With one chunk too: the shared expert hides the layer's dispatch and combine."""
+                                                                            monkeypatch, C,
+                                                                            capacity):
+    """And in rounds: under the first dispatch and the last combine of the first rounds."""
     monkeypatch.setenv("EP_COMM_LOCAL_EXCHANGE", "1")
     Is = 3
-    cfg = config(n, C)
-
-    def layer(x, ids, w, wi, wo, si, so):
-        out = ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, shared_w_in=si[0],
-                                shared_w_out=so[0], return_handle=True)
-        # one chunk: dispatch's handle, as without a shared expert
-        assert (out.handle is None) == (C > 1), out.handle
-        return out.y
-    f = sharded.smap(layer)
+    cfg = config(n, C, capacity)
+    f = sharded.smap(lambda x, ids, w, wi, wo, si, so: ep_comm.moe_layer(
+        x, ids, w, cfg, w_in=wi, w_out=wo, shared_w_in=si[0], shared_w_out=so[0]))
     args = sharded.put(np.zeros((n * T, H), np.float32), np.zeros((n * T, K), np.int32),
                        np.ones((n * T, K), np.float32), np.zeros((4 * n, H, 2 * I), np.float32),
                        np.zeros((4 * n, I, H), np.float32), np.zeros((n, H, 2 * Is), np.float32),
