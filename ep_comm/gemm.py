@@ -121,7 +121,7 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
         raise ValueError(f"pass_kernel: pass_name must be one of {PASSES}, got {pass_name!r}")
     dims = _RAGGED_CONTRACTING if pass_name == "drhs" else _RAGGED_ROWS
     if impl == "xla":
-        def xla(a, b, group_sizes, out_dtype):
+        def xla(a, b, group_sizes, out_dtype, zero_tail=True):  # (ragged_dot zeroes the tail)
             return lax.ragged_dot_general(a, b, group_sizes, dims,
                                           preferred_element_type=out_dtype)
         return xla
@@ -144,11 +144,7 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _grouped(x, w, group_sizes, impls, out_dtype, zero_tail):
-    kernel = pass_kernel("forward", impls[0])
-    if impls[0] == "tokamax":
-        out = kernel(x, w, group_sizes, out_dtype, zero_tail)
-    else:  # (lax.ragged_dot zeroes them anyway)
-        out = kernel(x, w, group_sizes, out_dtype)
+    out = pass_kernel("forward", impls[0])(x, w, group_sizes, out_dtype, zero_tail)
     return match_vma(match_vma(out, x), w)
 
 

@@ -175,9 +175,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                              f"{tuple(getattr(expert_y, 'shape', ()))}")
         return expert_y
 
-    def layer_once(x, ids, weights, params):
+    def layer_once(x, ids, weights, params, c=0):  # (chunk c's, in rounds)
         expert_x, handle = dispatch(x, ids, weights, one)
-        return combine(checked(expert_x, handle.group_sizes, params), handle), handle
+        group_sizes = chunk_group_sizes(config, chunks, c, handle.group_sizes)
+        return combine(checked(expert_x, group_sizes, params), handle), handle
 
     shared_y = None  # the shared expert's output (float32), where the pipeline computed it
     if one.is_dropless and chunks == 1:  # one round holds every pair any routing can send
@@ -221,12 +222,7 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
             ys = []
             for c, (x_c, ids_c, w_c) in enumerate(chunk_operands(config, chunks, x, rest,
                                                                  topk_weights)):
-                def one_round(x, ids, weights, params, c=c):
-                    expert_x, handle = dispatch(x, ids, weights, one)
-                    group_sizes = chunk_group_sizes(config, chunks, c, handle.group_sizes)
-                    return combine(checked(expert_x, group_sizes, params), handle)
-
-                y_c, r_c = run_rounds(one_round, x_c,
+                y_c, r_c = run_rounds(lambda *a, c=c: layer_once(*a, c=c)[0], x_c,
                                       *chunk_routing(config, chunks, c, ids_c, w_c), params, one)
                 ys.append(y_c)
                 rounds = rounds + r_c

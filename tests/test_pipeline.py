@@ -115,31 +115,22 @@ def test_chunk_routing_gives_every_pair_to_one_chunk():
     np.testing.assert_array_equal(np.asarray(joined, np.float32), 1 + 2 ** -7)
 
 
-def chunk_rounds(ids, n, chunks, capacity):
-    """Rounds the layer takes: per chunk (every rank's tokens [c T/C, (c+1) T/C)), the busiest
-    rank's pairs over the capacity (rounded up), summed over chunks."""
-    Tc = T // chunks
+def chunk_rounds(ids, n, chunks, capacity, by="tokens"):
+    """Rounds the layer takes: per chunk (``"tokens"``: every rank's tokens [c T/C, (c+1) T/C);
+    ``"experts"``: the pairs with local experts [c L/C, (c+1) L/C) of every rank), the busiest
+    rank's pairs of the chunk over the capacity (rounded up), summed over chunks. A chunk's first
+    round runs in the pipeline, with pairs or without (with few ranks a chunk of experts often
+    has none)."""
+    L = 4 if by == "tokens" else L_X
+    Tc, Lc = (T // chunks, L) if by == "tokens" else (T, L // chunks)
     total = 0
     for c in range(chunks):
-        part = np.concatenate([ids[r * T + c * Tc: r * T + (c + 1) * Tc] for r in range(n)])
-        per_chunk_worst = n * Tc * min(K, 4)
-        cap = capacity if capacity is not None and capacity < per_chunk_worst else None
-        # (a chunk's first round runs in the pipeline, with pairs or without)
-        total += 1 if cap is None else max(1, math.ceil(max_load(part, n, 4 * n) / cap))
-    return total
-
-
-def expert_chunk_rounds(ids, n, chunks, capacity, L=L_X):
-    """Rounds the layer takes with chunk_by='experts': per chunk (local experts [c L/C, (c+1)
-    L/C) of every rank), the busiest rank's pairs of the chunk over the capacity, summed."""
-    Lc = L // chunks
-    total = 0
-    for c in range(chunks):
-        part = np.where((ids >= 0) & (ids < n * L) & ((ids % L) // Lc == c), ids, -1)
-        worst = n * T * min(K, Lc)
+        if by == "tokens":
+            part = np.concatenate([ids[r * T + c * Tc: r * T + (c + 1) * Tc] for r in range(n)])
+        else:
+            part = np.where((ids >= 0) & (ids < n * L) & ((ids % L) // Lc == c), ids, -1)
+        worst = n * Tc * min(K, Lc)
         cap = capacity if capacity is not None and capacity < worst else None
-        # (a chunk's first round runs in the pipeline even without pairs: with few ranks, a
-        # chunk of experts often has none)
         total += 1 if cap is None else max(1, math.ceil(max_load(part, n, n * L) / cap))
     return total
 
@@ -155,8 +146,7 @@ def test_every_pair_served_once_in_chunks_and_rounds(sharded, n, data):
     chunks = data.draw(st.sampled_from([2, 4]))
     capacity = data.draw(st.sampled_from([None, 3, T * K // 2]))
     rounds = served_once(sharded, config(n, chunks, capacity, L=L, chunk_by=by), ids, data)
-    want = (chunk_rounds(ids, n, chunks, capacity) if by == "tokens" else
-            expert_chunk_rounds(ids, n, chunks, capacity))
+    want = chunk_rounds(ids, n, chunks, capacity, by)
     assert np.all(rounds == want), (by, rounds, want)
 
 
@@ -230,8 +220,7 @@ def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, 
     worst = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1, L=L))(*args))
     got = sharded.get(swiglu_layer_and_grads(
         sharded, config(n, 2, capacity=2, L=L, chunk_by=by))(*args))
-    assert np.all(got[1] == (chunk_rounds(ids, n, 2, 2) if by == "tokens" else
-                             expert_chunk_rounds(ids, n, 2, 2)))
+    assert np.all(got[1] == chunk_rounds(ids, n, 2, 2, by))
     for name, g, r in zip(NAMES, got[:1] + got[2:], worst[:1] + worst[2:]):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
                                    err_msg=name)
