@@ -87,6 +87,14 @@ class EPConfig:
         rank is sent once per chunk. ``num_chunks`` must then divide ``experts_per_rank`` and
         leave at least ``topk`` experts per chunk (``num_experts / num_chunks >= topk``: each
         chunk's exchange is one of that many experts). Every rank must use the same value.
+      capacity_factor: :func:`ep_comm.moe_layer` only, with ``recv_capacity=None``: the layer's
+        expert buffer per round, as a multiple of the balanced load (``tokens_per_rank * topk /
+        num_chunks`` pairs per rank per chunk: what every rank receives under uniform routing),
+        rounded up and at most the worst case. Default ``2.0``: at EP8 with top-8 a quarter of
+        the worst case; routing that sends a rank more runs in dropless rounds
+        (:mod:`ep_comm.rounds`) instead of sizing every step for the worst case. ``None``: the
+        worst case (one round, whatever the routing; the layer then returns dispatch's handle).
+        A number at least 1. Dispatch alone does not read it (its default stays the worst case).
 
     Memory per rank (``H`` hidden size, ``b`` bytes per element of ``x``), see :meth:`buffer_bytes`:
       send buffer ``S = T * min(topk, num_ranks)`` rows; token receive buffer
@@ -111,6 +119,7 @@ class EPConfig:
     zero_fill: bool = False
     num_chunks: int | str = 1
     chunk_by: str = "tokens"
+    capacity_factor: float | None = 2.0
 
     def __post_init__(self):
         owner = "EPConfig"
@@ -161,6 +170,14 @@ class EPConfig:
         if not isinstance(self.zero_fill, bool):
             raise TypeError(f"{owner}: zero_fill must be a bool, got "
                             f"{type(self.zero_fill).__name__}")
+        if self.capacity_factor is not None:
+            f = self.capacity_factor
+            if (isinstance(f, bool) or not isinstance(f, (int, float, np.integer, np.floating))
+                    or not np.isfinite(f) or f < 1):
+                raise ValueError(f"{owner}: capacity_factor must be None or a number >= 1 (the "
+                                 f"layer's expert buffer per round as a multiple of the balanced "
+                                 f"load), got {f!r}")
+            object.__setattr__(self, "capacity_factor", float(f))
         if self.chunk_by not in CHUNK_BY:
             raise ValueError(f"{owner}: chunk_by must be one of {CHUNK_BY}, got "
                              f"{self.chunk_by!r}")

@@ -28,8 +28,9 @@ class MoEOutput:
     Attributes:
       y: ``(T, H)``, the layer's output (as ``moe_layer`` returns it alone).
       handle: the :class:`EPHandle` of the layer's dispatch (group sizes, drops, traffic) when it
-        ran as one exchange (one chunk, ``config.recv_capacity`` at the worst case); ``None``
-        with chunks or rounds.
+        ran as one exchange: one chunk, with an expert buffer at the worst case (one rank, or
+        ``config.capacity_factor=None`` with ``recv_capacity=None``); ``None`` with chunks or
+        rounds (the default on several ranks: a buffer of twice the balanced load).
       rounds: ``(1,)`` int32; the pieces of the exchange the layer processed: the sum over its
         chunks of the rounds each took, ``max(1, ceil(max load / recv_capacity))`` (1 with one
         chunk at the worst-case capacity; ``num_chunks`` when every chunk fits one round).
@@ -81,8 +82,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
               experts: Callable | None = None, shared_w_in=None, shared_w_out=None,
               implementation="auto", return_handle: bool = False):
     """The expert-parallel MoE FFN of one rank: ``y[t] = sum_k w[t,k] * expert_{id[t,k]}(x[t])``
-    (plus the shared expert's output when given). Dropless at any ``config.recv_capacity``: below
-    the worst case it runs in rounds of at most that many pairs per rank (:mod:`ep_comm.rounds`).
+    (plus the shared expert's output when given). Dropless in bounded memory: its expert buffer
+    holds ``config.recv_capacity`` pairs per rank, by default ``config.capacity_factor`` (2) times
+    the balanced load; a routing that sends a rank more runs in rounds of at most that many pairs
+    per rank (:mod:`ep_comm.rounds`).
     With ``config.num_chunks`` above 1 the layer runs as a pipeline of chunks (of tokens, or of
     each rank's experts: ``config.chunk_by``) whose exchanges overlap the experts of their
     neighbours (:mod:`ep_comm.pipeline`); ``recv_capacity`` is then the expert buffer of one

@@ -293,7 +293,7 @@ def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, fa
         outs = {}
         for cap in (None, capacity):
             cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
-                                   recv_capacity=cap)
+                                   recv_capacity=cap, capacity_factor=None)  # None: worst case
 
             def f(x, ids, w, wi, wo, cfg=cfg):
                 out = ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, return_handle=True)
@@ -395,6 +395,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
         label = f"{C} ({chunks})" if C == "auto" else str(C)
         rep = dict(chunks=label if by == "tokens" else f"{label} experts", num_chunks=chunks,
                    chunk_by=by,
+                   expert_rows=pipeline.chunk_config(cfg, chunks).expert_rows,
                    time_us=t, x_experts=t / t_alone, wrong_vs_1=wrong,
                    schedule=_schedule_verdict(order, chunks),
                    order=pipeline.order_summary(order))
@@ -407,7 +408,8 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
                                                              jnp.float32) ** 2)
             bwd = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4) + tuple(range(5, len(args)))))
             rep["fwd_bwd_us"] = median_us(bwd, args, warmup, iters)
-        print(f"  num_chunks={rep['chunks']}: {t:.1f} us, {t / t_alone:.3f}x experts alone, "
+        print(f"  num_chunks={rep['chunks']} ({rep['expert_rows']} expert rows per chunk): "
+              f"{t:.1f} us, {t / t_alone:.3f}x experts alone, "
               f"#wrong {wrong}, schedule {rep['schedule']}, overlapped "
               f"{rep.get('overlapped_fraction', float('nan')):.3f}"
               + (f", fwd+bwd {rep['fwd_bwd_us']:.1f} us" if "fwd_bwd_us" in rep else ""),

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 import jax
@@ -70,8 +71,10 @@ MAX_AUTO_CHUNKS = 16
 
 
 def chunk_config(cfg: EPConfig, chunks: int) -> EPConfig:
-    """The configuration of one of ``chunks`` chunks (``cfg.chunk_by``), with ``recv_capacity``
-    kept when it is below the chunk's worst case (else the chunk's worst case).
+    """The configuration of one of ``chunks`` chunks (``cfg.chunk_by``): its ``recv_capacity``
+    is ``cfg.recv_capacity``, or with ``None`` ``ceil(capacity_factor * T * topk / chunks)`` (the
+    balanced load's multiple, :class:`EPConfig`), or ``None`` where that is not below the
+    chunk's worst case.
 
     ``"tokens"``: ``tokens_per_rank / chunks`` tokens. ``"experts"``: every token, over
     ``num_experts / chunks`` experts (each rank's ``experts_per_rank / chunks`` experts of the
@@ -82,8 +85,11 @@ def chunk_config(cfg: EPConfig, chunks: int) -> EPConfig:
     else:
         one = dataclasses.replace(cfg, tokens_per_rank=cfg.tokens_per_rank // chunks,
                                   recv_capacity=None, num_chunks=1)
-    if cfg.recv_capacity is not None and cfg.recv_capacity < one.worst_case_rows:
-        one = dataclasses.replace(one, recv_capacity=cfg.recv_capacity)
+    capacity = cfg.recv_capacity
+    if capacity is None and cfg.capacity_factor is not None:
+        capacity = math.ceil(cfg.capacity_factor * cfg.tokens_per_rank * cfg.topk / chunks)
+    if capacity is not None and capacity < one.worst_case_rows:
+        one = dataclasses.replace(one, recv_capacity=capacity)
     return one
 
 

@@ -223,9 +223,10 @@ def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared
 
 
 def test_layer_user_experts_and_handle(sharded, n, rng):
-    """experts= gets expert_x and group_sizes; return_handle gives dispatch's handle."""
+    """experts= gets expert_x and group_sizes; return_handle gives dispatch's handle (one
+    worst-case round: capacity_factor=None)."""
     x, ids, w, w_in, w_out, *_ = layer_inputs(rng, n, "random")
-    cfg = layer_config(n)
+    cfg = layer_config(n, capacity_factor=None)
     W = (rng.standard_normal((4 * n, H, H)) / np.sqrt(H)).astype(np.float32)
 
     def f(x, ids, w, W_local):
@@ -281,8 +282,9 @@ def test_layer_rejects_bad_input(sharded, n):
            "w_out=None", w_out=None)
     raises("moe_layer: pass either experts= or the SwiGLU weights w_in/w_out, not both",
            experts=lambda ex, gs: ex)
+    rows = ep_comm.pipeline.chunk_config(cfg, 1).expert_rows  # the layer's buffer
     raises("moe_layer: experts must return expert_y of shape (expert_rows, hidden) = "
-           f"({cfg.expert_rows}, {H}), got ({cfg.expert_rows}, {H + 1})", w_in=None, w_out=None,
+           f"({rows}, {H}), got ({rows}, {H + 1})", w_in=None, w_out=None,
            experts=lambda ex, gs: jnp.zeros((ex.shape[0], H + 1), ex.dtype))
     raises("moe_layer: the shared expert needs both shared_w_in and shared_w_out",
            shared_w_in=jnp.zeros((H, 2 * I), jnp.float32))

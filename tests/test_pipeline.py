@@ -32,8 +32,10 @@ SETTINGS = settings(max_examples=8 if jax.process_count() == 1 else 2, deadline=
 
 
 def config(n, chunks, capacity=None, L=4, **kw):
+    """``capacity=None``: each chunk's worst case (``capacity_factor=None``)."""
     return ep_comm.EPConfig("ep", num_ranks=n, num_experts=L * n, topk=K, tokens_per_rank=T,
-                            recv_capacity=capacity, num_chunks=chunks, **kw)
+                            recv_capacity=capacity, num_chunks=chunks,
+                            **{"capacity_factor": None} | kw)
 
 
 # chunks of experts: each chunk's exchange is one of num_experts / chunks >= topk experts, so at

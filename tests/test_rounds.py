@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
 import ep_comm
+from ep_comm import pipeline
 from conftest import BASE_SEED
 from moe_reference import routing
 
@@ -25,9 +28,10 @@ SETTINGS = settings(max_examples=10 if jax.process_count() == 1 else 2, deadline
                                            HealthCheck.too_slow])
 
 
-def config(n, capacity):
+def config(n, capacity, **kw):
+    """``capacity=None``: the worst case (``capacity_factor=None``)."""
     return ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T,
-                            recv_capacity=capacity)
+                            recv_capacity=capacity, **{"capacity_factor": None} | kw)
 
 
 def max_load(ids, n, E):
@@ -142,6 +146,73 @@ def test_rounds_equal_the_worst_case_round_with_gradients(sharded, n, rng, kind,
                                    err_msg=name)
 
 
+def _most_rows(closed_jaxpr, hidden):
+    """The most rows of any ``(rows, hidden)`` array the program (its calls, loops and custom
+    VJPs included) holds."""
+    most = 0
+
+    def walk(jaxpr):
+        nonlocal most
+        for e in jaxpr.eqns:
+            for v in e.outvars:
+                shape = getattr(v.aval, "shape", ())
+                if len(shape) == 2 and shape[1] == hidden:
+                    most = max(most, shape[0])
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(closed_jaxpr.jaxpr)
+    return most
+
+
+def test_default_capacity_is_twice_a_balanced_step():
+    """``capacity_factor`` (default 2): the layer's buffer per chunk is ``ceil(2 T topk / C)``
+    pairs per rank, for token and expert chunks, unless that reaches the chunk's worst case."""
+    ds = ep_comm.EPConfig("ep", num_ranks=8, num_experts=256, topk=8, tokens_per_rank=4096)
+    assert ds.capacity_factor == 2.0 and ds.expert_rows == ds.worst_case_rows == 262144
+    assert pipeline.chunk_config(ds, 1).expert_rows == 65536  # a quarter of the worst case
+    for by in ("tokens", "experts"):
+        four = dataclasses.replace(ds, num_chunks=4, chunk_by=by)
+        assert pipeline.chunk_config(four, 4).expert_rows == 16384
+    assert pipeline.chunk_config(dataclasses.replace(ds, capacity_factor=1.3), 1).expert_rows \
+        == math.ceil(1.3 * 4096 * 8)
+    assert pipeline.chunk_config(dataclasses.replace(ds, capacity_factor=None), 1).is_dropless
+    assert pipeline.chunk_config(dataclasses.replace(ds, recv_capacity=999), 1).expert_rows == 999
+    # one rank: twice balanced is past the worst case (every pair is local): one round
+    one_rank = dataclasses.replace(ds, num_ranks=1, num_experts=32)
+    assert pipeline.chunk_config(one_rank, 1).is_dropless
+    # ... but a chunk of experts, which holds a quarter of a token's pairs, can need rounds
+    assert pipeline.chunk_config(dataclasses.replace(one_rank, num_chunks=4, chunk_by="experts"),
+                                 4).expert_rows == 16384
+
+
+@pytest.mark.parametrize("kind", ["random", pytest.param("one_rank",
+                                                         marks=pytest.mark.multiprocess)])
+def test_the_default_layer_holds_twice_a_balanced_step_and_drops_nothing(sharded, n, rng, kind):
+    """The default layer on several ranks: no array of its program holds more rows than twice a
+    balanced step's pairs (the worst case does: the check can fail), a routing that sends a rank
+    more runs in rounds, and the results are the worst-case layer's."""
+    default = ep_comm.EPConfig("ep", num_ranks=n, num_experts=4 * n, topk=K, tokens_per_rank=T)
+    worst = config(n, None)
+    ids = routing(rng, kind, n, T, K, 4 * n)
+    w = rng.uniform(0.1, 1.0, (n * T, K)).astype(np.float32)
+    x = rng.standard_normal((n * T, H)).astype(np.float32)
+    args = sharded.put(x, ids, w)
+    rows = {}
+    for name, cfg in (("default", default), ("worst", worst)):
+        rows[name] = _most_rows(jax.make_jaxpr(identity_layer(sharded, cfg))(*args), H)
+    bound = min(2 * T * K, worst.worst_case_rows)
+    # (n * T rows: the global x outside the shard_map, and the portable transport's all-to-all,
+    # which gives each peer a slot of T tokens)
+    assert rows["default"] <= max(bound, n * T), rows
+    if worst.worst_case_rows > max(bound, n * T):
+        assert rows["worst"] == worst.worst_case_rows, rows
+    y, rounds = sharded.get(identity_layer(sharded, default)(*args))
+    y_worst, _ = sharded.get(identity_layer(sharded, worst)(*args))
+    np.testing.assert_allclose(y, y_worst, rtol=1e-5, atol=1e-5)
+    assert np.all(rounds == max(1, math.ceil(max_load(ids, n, 4 * n) / bound))), rounds
+
+
 def test_rounds_bad_input(sharded, n):
     cfg = config(n, 3)
     with pytest.raises(ValueError, match="moe_layer: topk_weights must be a floating array of "
@@ -153,6 +224,12 @@ def test_rounds_bad_input(sharded, n):
     with pytest.raises(ValueError, match="EPConfig: recv_capacity must be a positive int, "
                                          "got 0"):
         config(n, 0)
+    for bad in (0.5, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"EPConfig: capacity_factor must be None or a number "
+                                             r">= 1 \(the layer's expert buffer per round as a "
+                                             r"multiple of the balanced load\), got "
+                                             + re.escape(repr(bad))):
+            config(n, None, capacity_factor=bad)
 
 
 @pytest.mark.parametrize("capacity,chunks", [(5, 1), (None, 4)])
