@@ -14,9 +14,9 @@ from ep_comm.gemm import grouped_matmul
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids
 from ep_comm.moe import check_float, combine, dispatch
-from ep_comm.pipeline import (chunk_config, chunk_group_sizes, chunk_operands, chunk_routing,
-                              join_chunks, resolve_chunks, run_pipeline)
-from ep_comm.rounds import first_round, merge_repeats, run_rounds
+from ep_comm.pipeline import (chunk_config, chunk_operands, chunk_routing, join_chunks,
+                              resolve_chunks, run_pipeline)
+from ep_comm.rounds import first_round, merge_repeats
 from topology.jax_compat import match_vma
 
 
@@ -178,14 +178,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
                              f"{tuple(getattr(expert_y, 'shape', ()))}")
         return expert_y
 
-    def layer_once(x, ids, weights, params, c=0):  # (chunk c's, in rounds)
-        expert_x, handle = dispatch(x, ids, weights, one)
-        group_sizes = chunk_group_sizes(config, chunks, c, handle.group_sizes)
-        return combine(checked(expert_x, group_sizes, params), handle), handle
-
     shared_y = None  # the shared expert's output (float32), where the pipeline computed it
     if one.is_dropless and chunks == 1:  # one round holds every pair any routing can send
-        y, handle = layer_once(x, topk_ids, topk_weights, params)
+        expert_x, handle = dispatch(x, topk_ids, topk_weights, one)
+        y = combine(checked(expert_x, handle.group_sizes, params), handle)
         rounds = jnp.ones((1,), jnp.int32)
     else:
         handle = None
@@ -214,25 +210,13 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
             first = jnp.where(taken | ~valid, ids, -1)
             rest = jnp.where(valid & ~taken, ids, -1)
         # the pipeline of chunks, the shared expert in it under the end exchanges (one chunk,
-        # in rounds, is the serial layer's first round: the shared expert after it)
+        # in rounds, is the serial layer's first round: the shared expert after it), then the
+        # rounds for what did not fit
         in_pipeline = all(shared) and chunks > 1
-        y, shared_y = run_pipeline(
+        y, shared_y, rounds = run_pipeline(
             checked, config, chunks, x, first, topk_weights, params,
             (lambda rows, p: shared_swiglu(rows, *p)) if in_pipeline else None,
-            (shared_w_in, shared_w_out) if in_pipeline else ())
-        rounds = jnp.full((1,), chunks, jnp.int32)
-        if rest is not None:
-            ys = []
-            for c, (x_c, ids_c, w_c) in enumerate(chunk_operands(config, chunks, x, rest,
-                                                                 topk_weights)):
-                y_c, r_c = run_rounds(lambda *a, c=c: layer_once(*a, c=c)[0], x_c,
-                                      *chunk_routing(config, chunks, c, ids_c, w_c), params, one)
-                ys.append(y_c)
-                rounds = rounds + r_c
-            # the first round's output and the later rounds' add in float32, each rounded to
-            # x's dtype (as run_rounds adds its rounds)
-            y = (y.astype(jnp.float32) + join_chunks(config, ys).astype(jnp.float32)).astype(
-                y.dtype)
+            (shared_w_in, shared_w_out) if in_pipeline else (), rest=rest)
     if all(shared) and shared_y is None:
         shared_y = shared_swiglu(x, shared_w_in, shared_w_out)
     if shared_y is not None:

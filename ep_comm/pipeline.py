@@ -46,6 +46,12 @@ as plain autodiff does), its ``expert_y`` and its handle; the backward pass runs
 the VJP of combine, of the experts and of dispatch (dispatch's and combine's forward are traced
 again for their VJPs: one more pair of exchanges per chunk; the GEMMs are not recomputed). The
 backward pass is not pipelined.
+
+Rounds (:mod:`ep_comm.rounds`): with an expert buffer below a chunk's worst case, the pipeline
+runs each chunk's first round, and the pairs that did not fit (``rest``) run after it, chunk by
+chunk, in the rounds' ``lax.while_loop`` -- inside the same custom VJP, so that the backward pass
+adds the later rounds' weight gradients to the first round's (no pass over the weights'
+gradients when nothing was left over).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from jax import lax
 
 import topology
 from ep_comm import plan as plans
+from ep_comm import rounds
 from ep_comm.config import EPConfig
 from ep_comm.moe import combine, combine_steps, dispatch, dispatch_steps
 from ep_comm.ragged import ragged_all_to_all_done
@@ -242,15 +249,18 @@ def _after(value, after):
 
 
 def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, params,
-                 side=None, side_params=()):
-    """The routed experts' output ``(T, H)`` over ``chunks`` pipelined chunks, and the output of
-    ``side`` (float32 ``(T, H)``, or ``None`` without it). ``run_experts(expert_x, group_sizes,
-    params)`` -> ``expert_y``; it may not close over traced values (``params`` is its
-    differentiable pytree of arrays). ``ids``/``weights`` as
-    :func:`ep_comm.dispatch` takes them. ``side(x_rows, side_params)`` -> float32 rows: dense
-    work on the tokens (the shared expert), run in two halves of the tokens under the two
-    exchanges nothing else hides, the first chunk's dispatch and the last chunk's combine."""
-    return _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params)
+                 side=None, side_params=(), rest=None):
+    """``(y, side_y, rounds)``: the routed experts' output ``(T, H)`` over ``chunks`` pipelined
+    chunks, the output of ``side`` (float32 ``(T, H)``, or ``None`` without it), and the pieces
+    processed (``(1,)`` int32). ``run_experts(expert_x, group_sizes, params)`` -> ``expert_y``;
+    it may not close over traced values (``params`` is its differentiable pytree of arrays).
+    ``ids``/``weights`` as :func:`ep_comm.dispatch` takes them. ``side(x_rows, side_params)`` ->
+    float32 rows: dense work on the tokens (the shared expert), run in two halves of the tokens
+    under the two exchanges nothing else hides, the first chunk's dispatch and the last chunk's
+    combine. ``rest``: ``(T, K)`` ids (repeats merged, as ``ids``) of the pairs the chunks' first
+    round did not take, served after the pipeline chunk by chunk in dropless rounds
+    (:mod:`ep_comm.rounds`); their outputs are added to ``y``."""
+    return _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, rest)
 
 
 def _split(a, chunks):
@@ -262,9 +272,26 @@ def _halves(a):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params):
-    return _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params,
+def _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, rest):
+    return _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, rest,
                     keep=False)[0]
+
+
+def _one_round(run_experts, cfg, chunks, c):
+    """Chunk ``c``'s layer over the pairs of ``ids`` (chunk-routed): one dispatch, its experts,
+    one combine (a round of :mod:`ep_comm.rounds`)."""
+    def layer(x, ids, weights, params):
+        expert_x, handle = dispatch(x, ids, weights, chunk_config(cfg, chunks))
+        gs = chunk_group_sizes(cfg, chunks, c, handle.group_sizes)
+        return combine(run_experts(expert_x, gs, params), handle)
+    return layer
+
+
+def _rest_parts(cfg, chunks, x, rest, weights):
+    """Per chunk: its rounds' operands ``(x, ids, weights)``, the ids chunk-routed (the weights
+    of the pairs a chunk does not serve are never read: their ids are -1)."""
+    return [(x_c, chunk_routing(cfg, chunks, c, i_c, w_c)[0], w_c)
+            for c, (x_c, i_c, w_c) in enumerate(chunk_operands(cfg, chunks, x, rest, weights))]
 
 
 def _side_half(side, x, half, side_params, after, keep):
@@ -285,7 +312,8 @@ def _dispatch_chunk(cfg, chunks, c, operands, steps=False):
     return (dispatch_steps if steps else dispatch)(x, ids, weights, chunk_config(cfg, chunks))
 
 
-def _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, keep):
+def _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, rest,
+             keep):
     operands = chunk_operands(cfg, chunks, x, ids, weights)
     disp = [_Chunk(_dispatch_chunk(cfg, chunks, c, operands[c], steps=True),
                    f"ep_comm_chunk{c}/dispatch") for c in range(chunks)]
@@ -325,18 +353,34 @@ def _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_param
         sides.append(_side_half(side, x, 1, side_params, comb.in_flight(), keep))
     ys[chunks - 1] = comb.finish(after=sides[1][0] if sides else None)
     side_y = jnp.concatenate([s[0] for s in sides]) if sides else None
-    return (join_chunks(cfg, ys), side_y), (saved, [s[1] for s in sides])
+    y = join_chunks(cfg, ys)
+    pieces = jnp.full((1,), chunks, jnp.int32)
+    later = []  # per chunk, its rounds' residuals
+    if rest is not None:
+        one = chunk_config(cfg, chunks)
+        ys = []
+        for c, (x_c, i_c, w_c) in enumerate(_rest_parts(cfg, chunks, x, rest, weights)):
+            with jax.named_scope(f"ep_comm_chunk{c}/rounds"):
+                (y_c, r_c), res = rounds.forward(_one_round(run_experts, cfg, chunks, c), one,
+                                                 x_c, i_c, w_c, params)
+            ys.append(y_c)
+            pieces = pieces + r_c
+            later.append(res)
+        # the first round's output and the later rounds' add in float32, each rounded to x's
+        # dtype (as the rounds add theirs)
+        y = (y.astype(jnp.float32) + join_chunks(cfg, ys).astype(jnp.float32)).astype(y.dtype)
+    return (y, side_y, pieces), (saved, [s[1] for s in sides], later)
 
 
-def _pipeline_fwd(run_experts, side, cfg, chunks, x, ids, weights, params, side_params):
+def _pipeline_fwd(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, rest):
     out, saved = _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_params,
-                          keep=True)
-    return out, (x, ids, weights, params, side_params, saved)
+                          rest, keep=True)
+    return out, (x, ids, weights, params, side_params, rest, saved)
 
 
 def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
-    x, ids, weights, params, side_params, (saved, side_vjps) = res
-    g, g_side = cts
+    x, ids, weights, params, side_params, rest, (saved, side_vjps, later) = res
+    g, g_side, _ = cts
     f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
     cast_like = lambda d, like: jax.tree.map(lambda a, b: a.astype(b.dtype), d, like)  # noqa
     d_x_side, d_side_params = None, side_params  # (side_params is () without a side)
@@ -358,12 +402,20 @@ def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
         dxs.append(d_x.astype(jnp.float32))
         dws.append(d_w.astype(jnp.float32))
         dparams = f32(d_p) if dparams is None else jax.tree.map(jnp.add, dparams, f32(d_p))
+    dparams = cast_like(dparams, params)
+    if rest is not None:  # the later rounds, their weight gradients added to the first's
+        one = chunk_config(cfg, chunks)
+        for c, (x_c, i_c, w_c) in enumerate(_rest_parts(cfg, chunks, x, rest, weights)):
+            d_x_c, d_w_c, dparams = rounds.backward(
+                _one_round(run_experts, cfg, chunks, c), one, x_c, i_c, w_c, params, later[c],
+                g_parts[c], dparams)
+            dxs[c], dws[c] = dxs[c] + d_x_c, dws[c] + d_w_c
     d_x = join_chunks(cfg, dxs)
     if d_x_side is not None:
         d_x = d_x + d_x_side
-    return (d_x.astype(x.dtype), np.zeros(ids.shape, jax.dtypes.float0),
-            join_chunks(cfg, dws).astype(weights.dtype),
-            cast_like(dparams, params), d_side_params)
+    float0 = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)  # noqa
+    return (d_x.astype(x.dtype), float0(ids), join_chunks(cfg, dws).astype(weights.dtype),
+            dparams, d_side_params, float0(rest))
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)

@@ -1,10 +1,11 @@
 """Dropless rounds: the MoE layer in bounded memory.
 
-With ``config.recv_capacity`` below the worst case, one dispatch cannot take every (token, expert)
-pair a rank may receive. :func:`run_rounds` then runs the layer in rounds: each round every rank
-receives at most ``C = config.expert_rows`` pairs, the pairs that did not fit wait for the next
-round, and the rounds go on until every pair was served exactly once. Nothing is dropped, and
-memory is that of one round.
+With the layer's expert buffer below the worst case (``config.recv_capacity``, or by default
+``config.capacity_factor`` times the balanced load), one dispatch cannot take every (token,
+expert) pair a rank may receive. The layer then runs in rounds: each round every rank receives at
+most ``C = config.expert_rows`` pairs, the pairs that did not fit wait for the next round, and the
+rounds go on until every pair was served exactly once. Nothing is dropped, and memory is that of
+one round.
 
 The schedule is decided from one ``all_gather`` of the ``(n, n)`` matrix of pairs each rank sends
 each rank, so every rank computes the same schedule and runs the same number of rounds: in each
@@ -13,22 +14,22 @@ round, destination ``d`` takes its remaining pairs from sources in rank order up
 sends to ``d`` its next ``quota[s, d]`` pairs in (token, k) order. Every round serves
 ``min(C, remaining)`` pairs at every destination, so the rounds number exactly
 ``ceil(max_d load_d / C)``. Pairs that list an expert twice are merged first (weights added), as
-dispatch does. :func:`ep_comm.moe_layer` runs the first round (:func:`first_round`) in its
-pipeline and only what did not fit through :func:`run_rounds`.
+dispatch does. :func:`ep_comm.moe_layer` runs the first round (:func:`first_round`) as a step
+of its pipeline (:mod:`ep_comm.pipeline`) and only what did not fit in the rounds after it
+(:func:`forward`), inside the pipeline's custom VJP.
 
 The rounds' outputs are summed in float32 (each is rounded to ``x.dtype`` first, as the layer's
-output is). Differentiation: the forward pass is a ``lax.while_loop`` over rounds; the backward pass (a custom
-VJP) runs the same rounds again, each round's forward recomputed and its VJP taken, so it also holds
-one round at a time (the price: one more forward pass in training).
+output is). Differentiation: the forward pass is a ``lax.while_loop`` over rounds; the backward
+pass (:func:`backward`) runs the same rounds again, each round's forward recomputed and its VJP
+taken, so it also holds one round at a time (the price: one more forward pass of the later rounds
+in training). It adds each round's weight gradient to the first round's, so a step whose pairs
+all fit the first round pays nothing for the loop.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ep_comm.config import EPConfig
@@ -94,24 +95,12 @@ def first_round(ids, cfg: EPConfig):
     return round_ids >= 0
 
 
-def run_rounds(one_round, x, ids, weights, params, cfg: EPConfig):
-    """``sum over rounds of one_round(x, round_ids, weights, params)`` (each a ``(T, H)`` layer
-    output over that round's pairs), and the number of rounds. ``ids``/``weights`` must have
-    repeats merged (:func:`merge_repeats`); ``params`` is a pytree of arrays (differentiable, like
-    ``x`` and ``weights``); ``one_round`` may not close over traced values."""
-    return _rounds(one_round, cfg, x, ids, weights, params)
-
-
-def _zeros_like(a, like, dtype=None):
-    return match_vma(jnp.zeros(a.shape, dtype or a.dtype), like)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _rounds(one_round, cfg, x, ids, weights, params):
-    return _forward(one_round, cfg, x, ids, weights, params)[0]
-
-
-def _forward(one_round, cfg, x, ids, weights, params):
+def forward(one_round, cfg: EPConfig, x, ids, weights, params):
+    """The rounds after the first: ``(y, rounds)`` -- the sum over rounds of ``one_round(x,
+    round_ids, weights, params)`` (each a ``(T, H)`` layer output over that round's pairs, added
+    in float32, the sum in ``x.dtype``) and how many ran -- and what :func:`backward` needs.
+    ``ids`` must have repeats merged (:func:`merge_repeats`); pairs with id -1 are not served
+    (their ``weights`` are never read). ``params``: a pytree of arrays."""
     dest, pos, counts, me = _schedule(ids, cfg)
     schedule = (dest, pos, me)
 
@@ -129,37 +118,35 @@ def _forward(one_round, cfg, x, ids, weights, params):
     return (y.astype(x.dtype), r), (schedule, counts)
 
 
+def backward(one_round, cfg: EPConfig, x, ids, weights, params, saved, g, params_grad):
+    """The VJP of :func:`forward` for cotangent ``g``: the same rounds again, each round's
+    forward recomputed and its VJP taken, so it too holds one round at a time. Returns float32
+    gradients of ``x`` and ``weights``, and ``params_grad`` (a pytree like ``params``, in any
+    dtype) plus the gradient of ``params``: each round's is added in float32 and rounded to
+    ``params_grad``'s dtype. The caller passes the gradient it already holds (the first round's),
+    so that no rounds after it cost no pass over the weights' gradient."""
+    schedule, counts = saved
+
+    def body(state):
+        remaining, served, (dx, dw, dp) = state
+        round_ids, remaining, served = _next_round(ids, schedule, remaining, served,
+                                                   cfg.expert_rows)
+        _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, weights, params)
+        sx, sw, sp = vjp(g.astype(x.dtype))
+        add = lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)  # noqa
+        return remaining, served, (add(dx, sx), add(dw, sw), jax.tree.map(add, dp, sp))
+
+    zeros = jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, weights))
+    init = (counts, _served0(cfg, counts, x), zeros + (params_grad,))
+    _, _, grads = lax.while_loop(lambda s: jnp.sum(s[0]) > 0, body, init)
+    return grads
+
+
+def _zeros_like(a, like, dtype=None):
+    return match_vma(jnp.zeros(a.shape, dtype or a.dtype), like)
+
+
 def _served0(cfg, counts, x):
     """Positions served so far per destination: none. Indexed by this rank in the loop, so typed
     varying over the axis from the start."""
     return match_vma(match_vma(jnp.zeros((cfg.num_ranks,), jnp.int32), counts), x)
-
-
-def _rounds_fwd(one_round, cfg, x, ids, weights, params):
-    out, sched = _forward(one_round, cfg, x, ids, weights, params)
-    return out, (x, ids, weights, params, sched)
-
-
-def _rounds_bwd(one_round, cfg, res, cts):
-    x, ids, weights, params, (schedule, counts) = res
-    g = cts[0]
-
-    def body(state):
-        remaining, served, grads = state
-        round_ids, remaining, served = _next_round(ids, schedule, remaining, served,
-                                                   cfg.expert_rows)
-        _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, weights, params)
-        step = vjp(g.astype(x.dtype))
-        grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, step)
-        return remaining, served, grads
-
-    zeros = jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, weights, params))
-    init = (counts, _served0(cfg, counts, x), zeros)
-    _, _, grads = lax.while_loop(lambda s: jnp.sum(s[0]) > 0, body, init)
-    dx, dw, dp = jax.tree.map(lambda gr, a: match_vma(gr.astype(a.dtype), a), grads,
-                              (x, weights, params))
-    ids_ct = np.zeros(ids.shape, jax.dtypes.float0)
-    return dx, ids_ct, dw, dp
-
-
-_rounds.defvjp(_rounds_fwd, _rounds_bwd)
