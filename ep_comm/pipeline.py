@@ -48,8 +48,8 @@ again for their VJPs: one more pair of exchanges per chunk; the GEMMs are not re
 backward pass is not pipelined.
 
 Rounds (:mod:`ep_comm.rounds`): with an expert buffer below a chunk's worst case, the pipeline
-runs each chunk's first round, and the pairs that did not fit (``rest``) run after it, chunk by
-chunk, in the rounds' ``lax.while_loop`` -- inside the same custom VJP, so that the backward pass
+runs each chunk's first round, and the pairs that did not fit (``rest``) run after it, every
+chunk's in one ``lax.while_loop`` of rounds -- inside the same custom VJP, so that the backward pass
 adds the later rounds' weight gradients to the first round's (no pass over the weights'
 gradients when nothing was left over).
 """
@@ -277,14 +277,16 @@ def _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_para
                     keep=False)[0]
 
 
-def _one_round(run_experts, cfg, chunks, c):
-    """Chunk ``c``'s layer over the pairs of ``ids`` (chunk-routed): one dispatch, its experts,
-    one combine (a round of :mod:`ep_comm.rounds`)."""
-    def layer(x, ids, weights, params):
-        expert_x, handle = dispatch(x, ids, weights, chunk_config(cfg, chunks))
-        gs = chunk_group_sizes(cfg, chunks, c, handle.group_sizes)
-        return combine(run_experts(expert_x, gs, params), handle)
-    return layer
+def _round_fns(run_experts, cfg, chunks):
+    """Per chunk ``c``, its layer over the pairs of ``ids`` (chunk-routed): one dispatch, its
+    experts, one combine (a round of :mod:`ep_comm.rounds`)."""
+    def one_round(c):
+        def layer(x, ids, weights, params):
+            expert_x, handle = dispatch(x, ids, weights, chunk_config(cfg, chunks))
+            gs = chunk_group_sizes(cfg, chunks, c, handle.group_sizes)
+            return combine(run_experts(expert_x, gs, params), handle)
+        return layer
+    return [one_round(c) for c in range(chunks)]
 
 
 def _rest_parts(cfg, chunks, x, rest, weights):
@@ -355,17 +357,14 @@ def _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_param
     side_y = jnp.concatenate([s[0] for s in sides]) if sides else None
     y = join_chunks(cfg, ys)
     pieces = jnp.full((1,), chunks, jnp.int32)
-    later = []  # per chunk, its rounds' residuals
-    if rest is not None:
-        one = chunk_config(cfg, chunks)
-        ys = []
-        for c, (x_c, i_c, w_c) in enumerate(_rest_parts(cfg, chunks, x, rest, weights)):
-            with jax.named_scope(f"ep_comm_chunk{c}/rounds"):
-                (y_c, r_c), res = rounds.forward(_one_round(run_experts, cfg, chunks, c), one,
-                                                 x_c, i_c, w_c, params)
-            ys.append(y_c)
-            pieces = pieces + r_c
-            later.append(res)
+    later = None  # the rounds' residuals
+    if rest is not None:  # every chunk's later rounds, in one loop
+        with jax.named_scope("ep_comm_rounds"):
+            (ys, taken), later = rounds.forward(_round_fns(run_experts, cfg, chunks),
+                                                chunk_config(cfg, chunks),
+                                                _rest_parts(cfg, chunks, x, rest, weights),
+                                                params)
+        pieces = pieces + sum(taken)
         # the first round's output and the later rounds' add in float32, each rounded to x's
         # dtype (as the rounds add theirs)
         y = (y.astype(jnp.float32) + join_chunks(cfg, ys).astype(jnp.float32)).astype(y.dtype)
@@ -404,11 +403,10 @@ def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
         dparams = f32(d_p) if dparams is None else jax.tree.map(jnp.add, dparams, f32(d_p))
     dparams = cast_like(dparams, params)
     if rest is not None:  # the later rounds, their weight gradients added to the first's
-        one = chunk_config(cfg, chunks)
-        for c, (x_c, i_c, w_c) in enumerate(_rest_parts(cfg, chunks, x, rest, weights)):
-            d_x_c, d_w_c, dparams = rounds.backward(
-                _one_round(run_experts, cfg, chunks, c), one, x_c, i_c, w_c, params, later[c],
-                g_parts[c], dparams)
+        grads, dparams = rounds.backward(
+            _round_fns(run_experts, cfg, chunks), chunk_config(cfg, chunks),
+            _rest_parts(cfg, chunks, x, rest, weights), params, later, g_parts, dparams)
+        for c, (d_x_c, d_w_c) in enumerate(grads):
             dxs[c], dws[c] = dxs[c] + d_x_c, dws[c] + d_w_c
     d_x = join_chunks(cfg, dxs)
     if d_x_side is not None:

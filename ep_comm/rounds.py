@@ -95,51 +95,77 @@ def first_round(ids, cfg: EPConfig):
     return round_ids >= 0
 
 
-def forward(one_round, cfg: EPConfig, x, ids, weights, params):
-    """The rounds after the first: ``(y, rounds)`` -- the sum over rounds of ``one_round(x,
-    round_ids, weights, params)`` (each a ``(T, H)`` layer output over that round's pairs, added
-    in float32, the sum in ``x.dtype``) and how many ran -- and what :func:`backward` needs.
-    ``ids`` must have repeats merged (:func:`merge_repeats`); pairs with id -1 are not served
-    (their ``weights`` are never read). ``params``: a pytree of arrays."""
-    dest, pos, counts, me = _schedule(ids, cfg)
-    schedule = (dest, pos, me)
+def forward(one_rounds, cfg: EPConfig, parts, params):
+    """The rounds after the first, of one or more pieces (the layer's chunks) in one
+    ``lax.while_loop``: ``(ys, rounds)`` -- per piece ``c`` with operands ``parts[c] = (x, ids,
+    weights)``, the sum over its rounds of ``one_rounds[c](x, round_ids, weights, params)`` (each
+    a layer output over that round's pairs, added in float32, the sum in ``x.dtype``) and how many
+    rounds it took -- and what :func:`backward` needs. ``ids`` must have repeats merged
+    (:func:`merge_repeats`); pairs with id -1 are not served (their ``weights`` are never read).
+    ``params``: a pytree of arrays.
+
+    One loop for all pieces: on GPUs XLA reads a loop's predicate on the host, so each loop stalls
+    the stream once; a piece with nothing left runs an empty round while another still has
+    pairs."""
+    schedules = [_schedule(ids, cfg) for _, ids, _ in parts]
 
     def body(state):
-        r, remaining, served, y = state
-        round_ids, remaining, served = _next_round(ids, schedule, remaining, served,
-                                                   cfg.expert_rows)
-        y = y + one_round(x, round_ids, weights, params).astype(jnp.float32)
-        return r + 1, remaining, served, y
+        rounds, remaining, served, ys = map(list, state)
+        for c, ((x, ids, w), one_round) in enumerate(zip(parts, one_rounds)):
+            rounds[c] = rounds[c] + (jnp.sum(remaining[c]) > 0).astype(jnp.int32)
+            round_ids, remaining[c], served[c] = _next_round(
+                ids, _order(schedules[c]), remaining[c], served[c], cfg.expert_rows)
+            ys[c] = ys[c] + one_round(x, round_ids, w, params).astype(jnp.float32)
+        return rounds, remaining, served, ys
 
-    init = (jnp.zeros((), jnp.int32), counts, _served0(cfg, counts, x),
-            _zeros_like(x, x, jnp.float32))
-    r, _, _, y = lax.while_loop(lambda s: jnp.sum(s[1]) > 0, body, init)
+    counts = [sc[2] for sc in schedules]
+    init = ([match_vma(jnp.zeros((), jnp.int32), n) for n in counts], counts,
+            [_served0(cfg, n, x) for n, (x, _, _) in zip(counts, parts)],
+            [_zeros_like(x, x, jnp.float32) for x, _, _ in parts])
+    rounds, _, _, ys = lax.while_loop(lambda s: _any_left(s[1]), body, init)
+    ys = [y.astype(x.dtype) for y, (x, _, _) in zip(ys, parts)]
     # the backward pass replays the same schedule: keep it rather than gather the counts again
-    return (y.astype(x.dtype), r), (schedule, counts)
+    return (ys, rounds), schedules
 
 
-def backward(one_round, cfg: EPConfig, x, ids, weights, params, saved, g, params_grad):
-    """The VJP of :func:`forward` for cotangent ``g``: the same rounds again, each round's
-    forward recomputed and its VJP taken, so it too holds one round at a time. Returns float32
-    gradients of ``x`` and ``weights``, and ``params_grad`` (a pytree like ``params``, in any
-    dtype) plus the gradient of ``params``: each round's is added in float32 and rounded to
-    ``params_grad``'s dtype. The caller passes the gradient it already holds (the first round's),
-    so that no rounds after it cost no pass over the weights' gradient."""
-    schedule, counts = saved
+def backward(one_rounds, cfg: EPConfig, parts, params, schedules, gs, params_grad):
+    """The VJP of :func:`forward` for the cotangents ``gs`` (one per piece): the same rounds
+    again, each round's forward recomputed and its VJP taken, so it too holds one round at a time.
+    Returns per piece the float32 gradients of its ``x`` and ``weights``, and ``params_grad`` (a
+    pytree like ``params``, in any dtype) plus the gradient of ``params``: each round's is added
+    in float32 and rounded to ``params_grad``'s dtype. The caller passes the gradient it already
+    holds (the first round's), so that no rounds after it cost no pass over the weights'
+    gradient."""
+    add = lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)  # noqa
 
     def body(state):
-        remaining, served, (dx, dw, dp) = state
-        round_ids, remaining, served = _next_round(ids, schedule, remaining, served,
-                                                   cfg.expert_rows)
-        _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, weights, params)
-        sx, sw, sp = vjp(g.astype(x.dtype))
-        add = lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)  # noqa
-        return remaining, served, (add(dx, sx), add(dw, sw), jax.tree.map(add, dp, sp))
+        remaining, served, grads, dp = state
+        remaining, served, grads = list(remaining), list(served), list(grads)
+        for c, ((x, ids, w), one_round) in enumerate(zip(parts, one_rounds)):
+            round_ids, remaining[c], served[c] = _next_round(
+                ids, _order(schedules[c]), remaining[c], served[c], cfg.expert_rows)
+            _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, w, params)
+            sx, sw, sp = vjp(gs[c].astype(x.dtype))
+            grads[c] = (add(grads[c][0], sx), add(grads[c][1], sw))
+            dp = jax.tree.map(add, dp, sp)
+        return remaining, served, grads, dp
 
-    zeros = jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, weights))
-    init = (counts, _served0(cfg, counts, x), zeros + (params_grad,))
-    _, _, grads = lax.while_loop(lambda s: jnp.sum(s[0]) > 0, body, init)
-    return grads
+    counts = [sc[2] for sc in schedules]
+    init = (counts, [_served0(cfg, n, x) for n, (x, _, _) in zip(counts, parts)],
+            [jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, w))
+             for x, _, w in parts], params_grad)
+    _, _, grads, params_grad = lax.while_loop(lambda s: _any_left(s[0]), body, init)
+    return grads, params_grad
+
+
+def _any_left(remaining):
+    """Any piece has pairs left."""
+    return sum(jnp.sum(r) for r in remaining) > 0
+
+
+def _order(schedule):
+    dest, pos, _, me = schedule
+    return dest, pos, me
 
 
 def _zeros_like(a, like, dtype=None):
