@@ -134,7 +134,7 @@ def backward(one_rounds, cfg: EPConfig, parts, params, schedules, gs, params_gra
     Returns per piece the float32 gradients of its ``x`` and ``weights``, and ``params_grad`` (a
     pytree like ``params``, in any dtype) plus the gradient of ``params``: each round's is added
     in float32 and rounded to ``params_grad``'s dtype. The caller passes the gradient it already
-    holds (the first round's), so that no rounds after it cost no pass over the weights'
+    holds (the first round's): when no round follows, the loop costs no pass over the weights'
     gradient."""
     add = lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)  # noqa
 
