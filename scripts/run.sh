@@ -86,7 +86,7 @@ case "$what" in
     # what crosses processes, and LLVM at -O0 compiles their programs in about 60% of the time
     # (measured).
     mpi_phase() {
-      XLA_FLAGS=--xla_backend_optimization_level=0 EP_COMM_CPU_DEVICES=$2 timeout 900 \
+      XLA_FLAGS=--xla_backend_optimization_level=0 EP_COMM_CPU_DEVICES=$2 timeout 1800 \
         mpirun -n "$1" --oversubscribe "$VENV/bin/python" -m pytest --with-mpi -q \
         -p no:cacheprovider --timeout 300 --color=no -m multiprocess tests "${PYTEST_ARGS[@]}" 2>&1 \
         | grep -a -v '^\[Gloo\]'
