@@ -202,13 +202,13 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
             # runs in the pipeline; what did not fit, in rounds after it, chunk by chunk
             ids, topk_weights = merge_repeats(topk_ids, topk_weights)
             parts = chunk_operands(config, chunks, x, ids, topk_weights)
-            taken = join_chunks(config, [
-                first_round(chunk_routing(config, chunks, c, i, w)[0], one).astype(jnp.int32)
-                for c, (_, i, w) in enumerate(parts)]) > 0
+            starts = [first_round(chunk_routing(config, chunks, c, i, w)[0], one)
+                      for c, (_, i, w) in enumerate(parts)]
+            taken = join_chunks(config, [t.astype(jnp.int32) for t, _ in starts]) > 0
             valid = (ids >= 0) & (ids < config.num_experts)
             # (an id out of range goes to dispatch, which counts it or raises, as without rounds)
             first = jnp.where(taken | ~valid, ids, -1)
-            rest = jnp.where(valid & ~taken, ids, -1)
+            rest = (ids, [s for _, s in starts])
         # the pipeline of chunks, the shared expert in it under the end exchanges (one chunk,
         # in rounds, is the serial layer's first round: the shared expert after it), then the
         # rounds for what did not fit

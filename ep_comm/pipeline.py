@@ -51,7 +51,9 @@ Rounds (:mod:`ep_comm.rounds`): with an expert buffer below a chunk's worst case
 runs each chunk's first round, and the pairs that did not fit (``rest``) run after it, every
 chunk's in one ``lax.while_loop`` of rounds -- inside the same custom VJP, so that the backward pass
 adds the later rounds' weight gradients to the first round's (no pass over the weights'
-gradients when nothing was left over).
+gradients when nothing was left over). The rounds reuse the first round's schedule (one gather of
+the counts per chunk), and chunks of experts, whose outputs are parts of one sum, share one
+float32 accumulator (of the output in the forward, of the gradients in the backward).
 """
 
 from __future__ import annotations
@@ -257,9 +259,12 @@ def run_pipeline(run_experts, cfg: EPConfig, chunks: int, x, ids, weights, param
     ``ids``/``weights`` as :func:`ep_comm.dispatch` takes them. ``side(x_rows, side_params)`` ->
     float32 rows: dense work on the tokens (the shared expert), run in two halves of the tokens
     under the two exchanges nothing else hides, the first chunk's dispatch and the last chunk's
-    combine. ``rest``: ``(T, K)`` ids (repeats merged, as ``ids``) of the pairs the chunks' first
-    round did not take, served after the pipeline chunk by chunk in dropless rounds
-    (:mod:`ep_comm.rounds`); their outputs are added to ``y``."""
+    combine. ``rest``: ``(all_ids, starts)`` for dropless rounds (:mod:`ep_comm.rounds`): the
+    ``(T, K)`` ids of every pair (repeats merged; ``ids`` is the part of them the chunks' first
+    round takes) and per chunk the :class:`ep_comm.rounds.Start` of its later rounds
+    (:func:`ep_comm.rounds.first_round` of its chunk-routed ``all_ids``). What the first rounds
+    did not take is served after the pipeline, every chunk's in one loop; its outputs are added to
+    ``y``."""
     return _pipeline(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, rest)
 
 
@@ -290,10 +295,12 @@ def _round_fns(run_experts, cfg, chunks):
 
 
 def _rest_parts(cfg, chunks, x, rest, weights):
-    """Per chunk: its rounds' operands ``(x, ids, weights)``, the ids chunk-routed (the weights
-    of the pairs a chunk does not serve are never read: their ids are -1)."""
+    """Per chunk: its rounds' operands ``(x, ids, weights)``, the ids (``rest``'s, every pair of
+    the layer) chunk-routed (the weights of the pairs a chunk does not serve are never read: their
+    ids are -1)."""
+    ids, _ = rest
     return [(x_c, chunk_routing(cfg, chunks, c, i_c, w_c)[0], w_c)
-            for c, (x_c, i_c, w_c) in enumerate(chunk_operands(cfg, chunks, x, rest, weights))]
+            for c, (x_c, i_c, w_c) in enumerate(chunk_operands(cfg, chunks, x, ids, weights))]
 
 
 def _side_half(side, x, half, side_params, after, keep):
@@ -357,18 +364,17 @@ def _forward(run_experts, side, cfg, chunks, x, ids, weights, params, side_param
     side_y = jnp.concatenate([s[0] for s in sides]) if sides else None
     y = join_chunks(cfg, ys)
     pieces = jnp.full((1,), chunks, jnp.int32)
-    later = None  # the rounds' residuals
     if rest is not None:  # every chunk's later rounds, in one loop
         with jax.named_scope("ep_comm_rounds"):
-            (ys, taken), later = rounds.forward(_round_fns(run_experts, cfg, chunks),
-                                                chunk_config(cfg, chunks),
-                                                _rest_parts(cfg, chunks, x, rest, weights),
-                                                params)
+            ys, taken = rounds.forward(_round_fns(run_experts, cfg, chunks),
+                                       chunk_config(cfg, chunks),
+                                       _rest_parts(cfg, chunks, x, rest, weights), params,
+                                       rest[1], sum_pieces=cfg.chunk_by == "experts")
         pieces = pieces + sum(taken)
         # the first round's output and the later rounds' add in float32, each rounded to x's
         # dtype (as the rounds add theirs)
         y = (y.astype(jnp.float32) + join_chunks(cfg, ys).astype(jnp.float32)).astype(y.dtype)
-    return (y, side_y, pieces), (saved, [s[1] for s in sides], later)
+    return (y, side_y, pieces), (saved, [s[1] for s in sides])
 
 
 def _pipeline_fwd(run_experts, side, cfg, chunks, x, ids, weights, params, side_params, rest):
@@ -378,7 +384,7 @@ def _pipeline_fwd(run_experts, side, cfg, chunks, x, ids, weights, params, side_
 
 
 def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
-    x, ids, weights, params, side_params, rest, (saved, side_vjps, later) = res
+    x, ids, weights, params, side_params, rest, (saved, side_vjps) = res
     g, g_side, _ = cts
     f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
     cast_like = lambda d, like: jax.tree.map(lambda a, b: a.astype(b.dtype), d, like)  # noqa
@@ -405,7 +411,8 @@ def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
     if rest is not None:  # the later rounds, their weight gradients added to the first's
         grads, dparams = rounds.backward(
             _round_fns(run_experts, cfg, chunks), chunk_config(cfg, chunks),
-            _rest_parts(cfg, chunks, x, rest, weights), params, later, g_parts, dparams)
+            _rest_parts(cfg, chunks, x, rest, weights), params, rest[1], g_parts, dparams,
+            sum_pieces=cfg.chunk_by == "experts")
         for c, (d_x_c, d_w_c) in enumerate(grads):
             dxs[c], dws[c] = dxs[c] + d_x_c, dws[c] + d_w_c
     d_x = join_chunks(cfg, dxs)
@@ -413,7 +420,7 @@ def _pipeline_bwd(run_experts, side, cfg, chunks, res, cts):
         d_x = d_x + d_x_side
     float0 = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)  # noqa
     return (d_x.astype(x.dtype), float0(ids), join_chunks(cfg, dws).astype(weights.dtype),
-            dparams, d_side_params, float0(rest))
+            dparams, d_side_params, jax.tree.map(float0, rest))
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)

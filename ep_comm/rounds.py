@@ -28,6 +28,8 @@ all fit the first round pays nothing for the loop.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -85,75 +87,90 @@ def _next_round(ids, schedule, remaining, served, capacity):
     return jnp.where(take, ids, -1), remaining - quota, served + mine
 
 
+class Start(NamedTuple):
+    """A piece's rounds after its first: its pairs' destinations and positions (as
+    :func:`_pair_positions` gives them), this rank, and the pairs left per ``(source,
+    destination)`` and served per destination once the first round is done."""
+
+    dest: jax.Array
+    pos: jax.Array
+    me: jax.Array
+    remaining: jax.Array
+    served: jax.Array
+
+
 def first_round(ids, cfg: EPConfig):
-    """``(T, K)`` bool: the pairs of ``ids`` (repeats merged) that the first round of
-    :func:`run_rounds` serves -- at every destination, up to ``cfg.expert_rows`` of them. The
-    layer runs that round in its pipeline and the rest with :func:`run_rounds`."""
+    """``(taken, start)``: ``(T, K)`` bool, the pairs of ``ids`` (repeats merged) that the first
+    round serves -- at every destination, up to ``cfg.expert_rows`` of them -- and the
+    :class:`Start` of the rounds after it (:func:`forward`, which reuses this schedule: the counts
+    are gathered once). The layer runs that round in its pipeline and the rest with
+    :func:`forward`."""
     dest, pos, counts, me = _schedule(ids, cfg)
-    round_ids, _, _ = _next_round(ids, (dest, pos, me), counts, _served0(cfg, counts, ids),
-                                  cfg.expert_rows)
-    return round_ids >= 0
+    round_ids, remaining, served = _next_round(ids, (dest, pos, me), counts,
+                                               _served0(cfg, counts, ids), cfg.expert_rows)
+    return round_ids >= 0, Start(dest, pos, me, remaining, served)
 
 
-def forward(one_rounds, cfg: EPConfig, parts, params):
+def forward(one_rounds, cfg: EPConfig, parts, params, starts, sum_pieces=False):
     """The rounds after the first, of one or more pieces (the layer's chunks) in one
     ``lax.while_loop``: ``(ys, rounds)`` -- per piece ``c`` with operands ``parts[c] = (x, ids,
-    weights)``, the sum over its rounds of ``one_rounds[c](x, round_ids, weights, params)`` (each
-    a layer output over that round's pairs, added in float32, the sum in ``x.dtype``) and how many
-    rounds it took -- and what :func:`backward` needs. ``ids`` must have repeats merged
-    (:func:`merge_repeats`); pairs with id -1 are not served (their ``weights`` are never read).
-    ``params``: a pytree of arrays.
+    weights)`` and first round ``starts[c]`` (:func:`first_round` of these ``ids``), the sum over
+    its later rounds of ``one_rounds[c](x, round_ids, weights, params)`` (each a layer output over
+    that round's pairs, added in float32, the sum in ``x.dtype``) and how many rounds it took.
+    ``ids`` must have repeats merged (:func:`merge_repeats`); the pairs the first round served are
+    not served again, and pairs with id -1 never (their ``weights`` are never read). ``params``:
+    a pytree of arrays. ``sum_pieces``: the pieces' outputs are parts of one sum (the layer's
+    chunks of experts, every ``x`` the same tokens): one float32 accumulator for all of them, and
+    ``ys`` is that one sum.
 
     One loop for all pieces: on GPUs XLA reads a loop's predicate on the host, so each loop stalls
     the stream once; a piece with nothing left runs an empty round while another still has
     pairs."""
-    schedules = [_schedule(ids, cfg) for _, ids, _ in parts]
-
     def body(state):
         rounds, remaining, served, ys = map(list, state)
-        for c, ((x, ids, w), one_round) in enumerate(zip(parts, one_rounds)):
+        for c, ((x, ids, w), one_round, st) in enumerate(zip(parts, one_rounds, starts)):
             rounds[c] = rounds[c] + (jnp.sum(remaining[c]) > 0).astype(jnp.int32)
             round_ids, remaining[c], served[c] = _next_round(
-                ids, _order(schedules[c]), remaining[c], served[c], cfg.expert_rows)
-            ys[c] = ys[c] + one_round(x, round_ids, w, params).astype(jnp.float32)
+                ids, (st.dest, st.pos, st.me), remaining[c], served[c], cfg.expert_rows)
+            at = 0 if sum_pieces else c
+            ys[at] = ys[at] + one_round(x, round_ids, w, params).astype(jnp.float32)
         return rounds, remaining, served, ys
 
-    counts = [sc[2] for sc in schedules]
-    init = ([match_vma(jnp.zeros((), jnp.int32), n) for n in counts], counts,
-            [_served0(cfg, n, x) for n, (x, _, _) in zip(counts, parts)],
-            [_zeros_like(x, x, jnp.float32) for x, _, _ in parts])
+    outs = parts[:1] if sum_pieces else parts
+    init = ([match_vma(jnp.zeros((), jnp.int32), st.remaining) for st in starts],
+            [st.remaining for st in starts], [st.served for st in starts],
+            [_zeros_like(x, x, jnp.float32) for x, _, _ in outs])
     rounds, _, _, ys = lax.while_loop(lambda s: _any_left(s[1]), body, init)
-    ys = [y.astype(x.dtype) for y, (x, _, _) in zip(ys, parts)]
-    # the backward pass replays the same schedule: keep it rather than gather the counts again
-    return (ys, rounds), schedules
+    return [y.astype(x.dtype) for y, (x, _, _) in zip(ys, outs)], rounds
 
 
-def backward(one_rounds, cfg: EPConfig, parts, params, schedules, gs, params_grad):
+def backward(one_rounds, cfg: EPConfig, parts, params, starts, gs, params_grad,
+             sum_pieces=False):
     """The VJP of :func:`forward` for the cotangents ``gs`` (one per piece): the same rounds
     again, each round's forward recomputed and its VJP taken, so it too holds one round at a time.
-    Returns per piece the float32 gradients of its ``x`` and ``weights``, and ``params_grad`` (a
-    pytree like ``params``, in any dtype) plus the gradient of ``params``: each round's is added
-    in float32 and rounded to ``params_grad``'s dtype. The caller passes the gradient it already
-    holds (the first round's): when no round follows, the loop costs no pass over the weights'
-    gradient."""
+    Returns per piece (one for all with ``sum_pieces``, whose pieces share ``x`` and ``weights``)
+    the float32 gradients of its ``x`` and ``weights``, and ``params_grad`` (a pytree like
+    ``params``, in any dtype) plus the gradient of ``params``: each round's is added in float32
+    and rounded to ``params_grad``'s dtype. The caller passes the gradient it already holds (the
+    first round's): when no round follows, the loop costs no pass over the weights' gradient."""
     add = lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)  # noqa
 
     def body(state):
         remaining, served, grads, dp = state
         remaining, served, grads = list(remaining), list(served), list(grads)
-        for c, ((x, ids, w), one_round) in enumerate(zip(parts, one_rounds)):
+        for c, ((x, ids, w), one_round, st) in enumerate(zip(parts, one_rounds, starts)):
             round_ids, remaining[c], served[c] = _next_round(
-                ids, _order(schedules[c]), remaining[c], served[c], cfg.expert_rows)
+                ids, (st.dest, st.pos, st.me), remaining[c], served[c], cfg.expert_rows)
             _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, w, params)
             sx, sw, sp = vjp(gs[c].astype(x.dtype))
-            grads[c] = (add(grads[c][0], sx), add(grads[c][1], sw))
+            at = 0 if sum_pieces else c
+            grads[at] = (add(grads[at][0], sx), add(grads[at][1], sw))
             dp = jax.tree.map(add, dp, sp)
         return remaining, served, grads, dp
 
-    counts = [sc[2] for sc in schedules]
-    init = (counts, [_served0(cfg, n, x) for n, (x, _, _) in zip(counts, parts)],
+    init = ([st.remaining for st in starts], [st.served for st in starts],
             [jax.tree.map(lambda a: _zeros_like(a, a, jnp.float32), (x, w))
-             for x, _, w in parts], params_grad)
+             for x, _, w in (parts[:1] if sum_pieces else parts)], params_grad)
     _, _, grads, params_grad = lax.while_loop(lambda s: _any_left(s[0]), body, init)
     return grads, params_grad
 
@@ -161,11 +178,6 @@ def backward(one_rounds, cfg: EPConfig, parts, params, schedules, gs, params_gra
 def _any_left(remaining):
     """Any piece has pairs left."""
     return sum(jnp.sum(r) for r in remaining) > 0
-
-
-def _order(schedule):
-    dest, pos, _, me = schedule
-    return dest, pos, me
 
 
 def _zeros_like(a, like, dtype=None):
