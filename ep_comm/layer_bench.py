@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-from collectives.timing import emit, hardware, median_us, trace_kernels
+from collectives.timing import emit, hardware, median_us, pipelined_us, trace_kernels
 from ep_comm import gemm as gm
 from ep_comm import pipeline
 
@@ -325,7 +325,10 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
 
     ``experts alone``: the SwiGLU grouped GEMMs over the whole dispatched buffer, nothing else
     (the ceiling the layer approaches when its exchanges hide under them and its other passes
-    are small). Per chunk count: the layer's forward time and its ratio to the experts alone,
+    are small). Per chunk count: the layer's forward time and its ratio to the experts alone --
+    each call waited for (``time_us``), and issued ``iters`` times back to back and waited for
+    once (``pipe_us``, :func:`collectives.timing.pipelined_us`: as in a model's step, where the
+    host enqueues ahead of the device, so the host's launch latency does not count) --
     ``#wrong`` against the one-chunk layer, whether the compiled schedule is the pipeline's
     (:func:`ep_comm.pipeline.check_schedule`), and with ``profile`` the exchange kernels' time
     and the part of it that ran while an expert GEMM kernel ran, from a profiler trace. On one
@@ -362,10 +365,13 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
             return y, ep_comm.layer.shared_swiglu(x, s[0][0], s[1][0])
         return y
     alone = smap(experts_alone)
-    t_alone = median_us(alone, (ex, gs, args[3], args[4], args[0], *args[5:]), warmup, iters)
-    del ex, handle
-    results = [dict(chunks="experts alone", time_us=t_alone, x_experts=1.0)]
-    print(f"  experts alone: {t_alone:.1f} us", flush=True)
+    alone_args = (ex, gs, args[3], args[4], args[0], *args[5:])
+    t_alone = median_us(alone, alone_args, warmup, iters)
+    p_alone = pipelined_us(alone, alone_args, warmup, iters)
+    del ex, handle, alone_args
+    results = [dict(chunks="experts alone", time_us=t_alone, x_experts=1.0, pipe_us=p_alone,
+                    pipe_x_experts=1.0)]
+    print(f"  experts alone: {t_alone:.1f} us, back to back {p_alone:.1f} us", flush=True)
     ref = None
     runs = []
     for by in chunk_by:
@@ -391,12 +397,14 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
         eps = float(jnp.finfo(dtype).eps)
         wrong = int(np.sum(np.abs(y - ref) > 4 * eps * (1 + np.abs(ref))))
         t = median_us(fwd, args, warmup, iters)
+        t_pipe = pipelined_us(fwd, args, warmup, iters)
         order = pipeline.schedule_order(fwd.lower(*args).compile().as_text())
         label = f"{C} ({chunks})" if C == "auto" else str(C)
         rep = dict(chunks=label if by == "tokens" else f"{label} experts", num_chunks=chunks,
                    chunk_by=by,
                    expert_rows=pipeline.chunk_config(cfg, chunks).expert_rows,
-                   time_us=t, x_experts=t / t_alone, wrong_vs_1=wrong,
+                   time_us=t, x_experts=t / t_alone, pipe_us=t_pipe,
+                   pipe_x_experts=t_pipe / p_alone, wrong_vs_1=wrong,
                    schedule=_schedule_verdict(order, chunks),
                    order=pipeline.order_summary(order))
         if profile:
@@ -409,7 +417,8 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
             bwd = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4) + tuple(range(5, len(args)))))
             rep["fwd_bwd_us"] = median_us(bwd, args, warmup, iters)
         print(f"  num_chunks={rep['chunks']} ({rep['expert_rows']} expert rows per chunk): "
-              f"{t:.1f} us, {t / t_alone:.3f}x experts alone, "
+              f"{t:.1f} us, {t / t_alone:.3f}x experts alone (back to back {t_pipe:.1f} us, "
+              f"{t_pipe / p_alone:.3f}x), "
               f"#wrong {wrong}, schedule {rep['schedule']}, overlapped "
               f"{rep.get('overlapped_fraction', float('nan')):.3f}"
               + (f", fwd+bwd {rep['fwd_bwd_us']:.1f} us" if "fwd_bwd_us" in rep else ""),
@@ -534,17 +543,21 @@ def table(rep) -> str:
                  f"{c['tokens_per_rank']} tokens/rank, top-{c['topk']} of {c['experts']}, H="
                  f"{c['hidden']}, I={c['intermediate']}, shared expert I="
                  f"{c.get('shared_intermediate', 0)}, {c['dtype']}; x experts = time / the "
-                 f"experts' GEMMs alone; overlap = exchange kernel time while a GEMM "
-                 f"kernel ran / exchange kernel time (trace)",
-                 f"{'num_chunks':<12}{'time(us)':>10}{'x experts':>10}{'fwd+bwd':>10}"
-                 f"{'exch(us)':>10}{'overlap':>9}{'#wrong':>8}  schedule"]
+                 f"experts' GEMMs alone; pipe = calls issued back to back (host ahead of the "
+                 f"device); overlap = exchange kernel time while a GEMM kernel ran / exchange "
+                 f"kernel time (trace)",
+                 f"{'num_chunks':<12}{'time(us)':>10}{'x experts':>10}{'pipe(us)':>10}"
+                 f"{'x experts':>10}{'fwd+bwd':>10}{'exch(us)':>10}{'overlap':>9}{'#wrong':>8}"
+                 f"  schedule"]
         for r in rep["results"]:
             fb = f"{r['fwd_bwd_us']:>10.1f}" if "fwd_bwd_us" in r else f"{'-':>10}"
             ex = (f"{r['exchange_kernel_us']:>10.1f}{r['overlapped_fraction']:>9.3f}"
                   if "exchange_kernel_us" in r else f"{'-':>10}{'-':>9}")
             wrong = f"{r['wrong_vs_1']:>8d}" if "wrong_vs_1" in r else f"{'-':>8}"
-            lines.append(f"{r['chunks']:<12}{r['time_us']:>10.1f}{r['x_experts']:>10.3f}{fb}{ex}"
-                         f"{wrong}  {r.get('schedule', '')}")
+            pipe = (f"{r['pipe_us']:>10.1f}{r['pipe_x_experts']:>10.3f}" if "pipe_us" in r
+                    else f"{'-':>10}{'-':>10}")
+            lines.append(f"{r['chunks']:<12}{r['time_us']:>10.1f}{r['x_experts']:>10.3f}{pipe}"
+                         f"{fb}{ex}{wrong}  {r.get('schedule', '')}")
         return "\n".join(lines)
     if rep["kind"] == "gemm":
         c = rep["config"]
