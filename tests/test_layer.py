@@ -14,6 +14,8 @@ import ep_comm
 from ep_comm import gemm
 from moe_reference import dense_swiglu_moe, routing
 
+pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
+
 T, K, H, I, I_SHARED = 16, 4, 8, 6, 5
 TOKAMAX = pytest.mark.skipif(
     not (jax.default_backend() == "gpu" and gemm.tokamax_available()),

@@ -24,6 +24,8 @@ from ep_comm import pipeline
 from moe_reference import dense_swiglu_moe, routing
 from test_rounds import max_load, routings, served_once, swiglu_layer_and_grads
 
+pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
+
 T, K, H, I = 8, 3, 4, 5
 SETTINGS = settings(max_examples=8 if jax.process_count() == 1 else 2, deadline=None,
                     database=None,

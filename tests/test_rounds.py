@@ -20,6 +20,8 @@ from ep_comm import pipeline
 from conftest import BASE_SEED
 from moe_reference import routing
 
+pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
+
 T, K, H, I = 8, 3, 4, 5
 # fewer under mpirun (every process draws the same examples; each costs a cross-process run)
 SETTINGS = settings(max_examples=10 if jax.process_count() == 1 else 2, deadline=None,
