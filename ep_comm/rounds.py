@@ -67,26 +67,6 @@ def _quota(remaining, capacity):
     return jnp.clip(capacity - exclusive_cumsum(remaining, axis=0), 0, remaining)
 
 
-def _schedule(ids, cfg: EPConfig):
-    dest, pos, mine = _pair_positions(ids, cfg)
-    counts = gather_counts(cfg, mine, "moe_layer (rounds)")  # (n, n): [s, d] pairs s -> d
-    me = lax.axis_index(cfg.axis_name)
-    return dest, pos, counts, me
-
-
-def _next_round(ids, schedule, remaining, served, capacity):
-    """This round's ids (the pairs at positions ``[served[d], served[d] + quota[d])`` of each
-    destination ``d``, the others -1) and the remaining counts and served positions after it."""
-    dest, pos, me = schedule
-    n = remaining.shape[0]
-    quota = _quota(remaining, capacity)
-    mine = quota[me]
-    d = jnp.minimum(dest, n - 1)
-    lo = jnp.take(served, d)
-    take = (dest < n) & (pos >= lo) & (pos < lo + jnp.take(mine, d))
-    return jnp.where(take, ids, -1), remaining - quota, served + mine
-
-
 class Start(NamedTuple):
     """A piece's rounds after its first: its pairs' destinations and positions (as
     :func:`_pair_positions` gives them), this rank, and the pairs left per ``(source,
@@ -99,16 +79,31 @@ class Start(NamedTuple):
     served: jax.Array
 
 
+def _next_round(ids, start: Start, remaining, served, capacity):
+    """This round's ids (the pairs at positions ``[served[d], served[d] + quota[d])`` of each
+    destination ``d``, the others -1; ``start`` gives the pairs' destinations and positions and
+    this rank) and the remaining counts and served positions after it."""
+    n = remaining.shape[0]
+    quota = _quota(remaining, capacity)
+    mine = quota[start.me]
+    d = jnp.minimum(start.dest, n - 1)
+    lo = jnp.take(served, d)
+    take = (start.dest < n) & (start.pos >= lo) & (start.pos < lo + jnp.take(mine, d))
+    return jnp.where(take, ids, -1), remaining - quota, served + mine
+
+
 def first_round(ids, cfg: EPConfig):
     """``(taken, start)``: ``(T, K)`` bool, the pairs of ``ids`` (repeats merged) that the first
     round serves -- at every destination, up to ``cfg.expert_rows`` of them -- and the
     :class:`Start` of the rounds after it (:func:`forward`, which reuses this schedule: the counts
     are gathered once). The layer runs that round in its pipeline and the rest with
     :func:`forward`."""
-    dest, pos, counts, me = _schedule(ids, cfg)
-    round_ids, remaining, served = _next_round(ids, (dest, pos, me), counts,
-                                               _served0(cfg, counts, ids), cfg.expert_rows)
-    return round_ids >= 0, Start(dest, pos, me, remaining, served)
+    dest, pos, mine = _pair_positions(ids, cfg)
+    counts = gather_counts(cfg, mine, "moe_layer (rounds)")  # (n, n): [s, d] pairs s -> d
+    start = Start(dest, pos, lax.axis_index(cfg.axis_name), counts, _served0(cfg, counts, ids))
+    round_ids, remaining, served = _next_round(ids, start, start.remaining, start.served,
+                                               cfg.expert_rows)
+    return round_ids >= 0, start._replace(remaining=remaining, served=served)
 
 
 def forward(one_rounds, cfg: EPConfig, parts, params, starts, sum_pieces=False):
@@ -131,7 +126,7 @@ def forward(one_rounds, cfg: EPConfig, parts, params, starts, sum_pieces=False):
         for c, ((x, ids, w), one_round, st) in enumerate(zip(parts, one_rounds, starts)):
             rounds[c] = rounds[c] + (jnp.sum(remaining[c]) > 0).astype(jnp.int32)
             round_ids, remaining[c], served[c] = _next_round(
-                ids, (st.dest, st.pos, st.me), remaining[c], served[c], cfg.expert_rows)
+                ids, st, remaining[c], served[c], cfg.expert_rows)
             at = 0 if sum_pieces else c
             ys[at] = ys[at] + one_round(x, round_ids, w, params).astype(jnp.float32)
         return rounds, remaining, served, ys
@@ -160,7 +155,7 @@ def backward(one_rounds, cfg: EPConfig, parts, params, starts, gs, params_grad,
         remaining, served, grads = list(remaining), list(served), list(grads)
         for c, ((x, ids, w), one_round, st) in enumerate(zip(parts, one_rounds, starts)):
             round_ids, remaining[c], served[c] = _next_round(
-                ids, (st.dest, st.pos, st.me), remaining[c], served[c], cfg.expert_rows)
+                ids, st, remaining[c], served[c], cfg.expert_rows)
             _, vjp = jax.vjp(lambda x, w, p: one_round(x, round_ids, w, p), x, w, params)
             sx, sw, sp = vjp(gs[c].astype(x.dtype))
             at = 0 if sum_pieces else c
