@@ -13,12 +13,24 @@ from it.
 Markers: ``multiprocess`` marks the tests whose outcome depends on running as several processes
 (the native MPI engine, bootstrap and launch helpers, the exchanges and dispatch/combine
 equalities across process boundaries and at other rank counts). ``scripts/run.sh test`` runs
-the whole suite once on 8 devices and only these under ``mpirun``.
+the whole suite once on 8 devices and only these under ``mpirun``. ``full`` marks the tests and
+parameters that only the exhaustive matrices run (``scripts/run.sh test-full``, or
+``EP_COMM_TEST_FULL=1``): the fast command deselects them. :func:`matrix` builds a
+parametrization whose fast part is a covering (pairwise) set of the full cartesian product.
+
+Compile accounting: every test's XLA compilations (programs and seconds, from JAX's monitoring
+events) are summed per test file and printed at the end of the run (process 0), with the
+run's wall time per file: compiled programs are what the run's time goes to. ``EP_COMM_TEST_PROFILE=
+file.json`` also writes the table.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import json
 import os
+import time
 import zlib
 
 import numpy as np
@@ -64,6 +76,39 @@ os.environ["EP_COMM_TEST_SEED"] = str(BASE_SEED)
 # Every transport the suite runs against; each test skips those that cannot run here.
 ALL_BACKENDS = ["portable", "xla", "mpi", "nccl"]
 
+# The exhaustive matrices (scripts/run.sh test-full) or the fast covering sets (scripts/run.sh test).
+FULL = os.environ.get("EP_COMM_TEST_FULL", "0") not in ("", "0")
+full = pytest.mark.full  # a test or parameter that only test-full runs
+
+
+def covering(*axes, strength: int = 2) -> list[int]:
+    """Indices into ``itertools.product(*axes)`` of a covering set: every combination of values
+    of any ``strength`` axes (2: pairwise, 1: each value once) appears in at least one case.
+    Greedy, deterministic, starting from the product's first case."""
+    product = list(itertools.product(*axes))
+    sets = list(itertools.combinations(range(len(axes)), min(strength, len(axes))))
+
+    def tuples(case):
+        return {(s, tuple(case[i] for i in s)) for s in sets}
+
+    want = set().union(*(tuples(c) for c in product)) if product else set()
+    keep = []
+    while want:
+        k = max((k for k in range(len(product)) if k not in keep),
+                key=lambda k: (len(tuples(product[k]) & want), -k))
+        keep.append(k)
+        want -= tuples(product[k])
+    return sorted(keep)
+
+
+def matrix(names: str, *axes, strength: int = 2):
+    """``pytest.mark.parametrize(names, ...)`` over the cartesian product of ``axes``; the cases
+    outside :func:`covering`'s set are marked :data:`full` (the fast command leaves them out)."""
+    keep = set(covering(*axes, strength=strength))
+    params = [pytest.param(*c, marks=() if k in keep else full)
+              for k, c in enumerate(itertools.product(*axes))]
+    return pytest.mark.parametrize(names, params)
+
 
 def backend_skip_reason(backend: str) -> str | None:
     """Why ``backend`` cannot run in this test process (None: it can)."""
@@ -76,6 +121,13 @@ def backend_skip_reason(backend: str) -> str | None:
     return why
 
 
+# Parametrizations use the transports that run in this process (a parameter that could only skip
+# is not collected; the header names the others and why they cannot run here) and the device
+# count of this run.
+BACKENDS = [b for b in ALL_BACKENDS if backend_skip_reason(b) is None]
+N_DEVICES = jax.device_count()
+
+
 def needs_backend(backend: str) -> None:
     if (why := backend_skip_reason(backend)) is not None:
         pytest.skip(why)
@@ -84,7 +136,74 @@ def needs_backend(backend: str) -> None:
 def pytest_report_header(config):
     return (f"ep_comm: {jax.device_count()} devices ({jax.default_backend()}), "
             f"process {_INFO.process_id}/{_INFO.num_processes} ({_INFO.launcher}); "
-            f"EP_COMM_TEST_SEED={BASE_SEED}")
+            f"EP_COMM_TEST_SEED={BASE_SEED}; transports {BACKENDS}"
+            + "".join(f"; not {b}: {backend_skip_reason(b)}" for b in ALL_BACKENDS
+                      if b not in BACKENDS) + "; "
+            + ("full matrices (EP_COMM_TEST_FULL=1)" if FULL else
+               "fast covering sets (EP_COMM_TEST_FULL=1 runs the full matrices)"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL:
+        return
+    skipped = [it for it in items if it.get_closest_marker("full")]
+    if skipped:
+        config.hook.pytest_deselected(items=skipped)
+        items[:] = [it for it in items if not it.get_closest_marker("full")]
+
+
+# --- compile accounting: which test files the run's time goes to, and how much is XLA compiling
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_LOWER_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                 "/jax/core/compile/jaxpr_to_mlir_module_duration")
+_ACCOUNT = collections.defaultdict(lambda: {"tests": 0, "programs": 0, "compile_s": 0.0,
+                                            "trace_lower_s": 0.0, "wall_s": 0.0})
+_NOW = {"file": "(collection)"}
+
+
+def _on_duration(event, duration, **_):
+    row = _ACCOUNT[_NOW["file"]]
+    if event == _COMPILE_EVENT:
+        row["programs"] += 1
+        row["compile_s"] += duration
+    elif event in _LOWER_EVENTS:
+        row["trace_lower_s"] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _NOW["file"] = item.nodeid.split("::")[0]
+    t0 = time.perf_counter()
+    yield
+    row = _ACCOUNT[_NOW["file"]]
+    row["tests"] += 1
+    row["wall_s"] += time.perf_counter() - t0
+    _NOW["file"] = "(between tests)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _INFO.process_id != 0 or not _ACCOUNT:
+        return
+    rows = sorted(_ACCOUNT.items(), key=lambda kv: -kv[1]["wall_s"])
+    tr = terminalreporter
+    tr.section("time per test file (XLA compiles: programs and seconds)")
+    tr.write_line(f"{'file':<36} {'tests':>6} {'wall s':>8} {'programs':>9} {'compile s':>10} "
+                  f"{'trace+lower s':>14}")
+    total = collections.Counter()
+    for name, r in rows:
+        tr.write_line(f"{name:<36} {r['tests']:>6} {r['wall_s']:>8.1f} {r['programs']:>9} "
+                      f"{r['compile_s']:>10.1f} {r['trace_lower_s']:>14.1f}")
+        total.update(r)
+    tr.write_line(f"{'total':<36} {total['tests']:>6} {total['wall_s']:>8.1f} "
+                  f"{total['programs']:>9} {total['compile_s']:>10.1f} "
+                  f"{total['trace_lower_s']:>14.1f}")
+    if path := os.environ.get("EP_COMM_TEST_PROFILE"):
+        with open(path, "w") as f:
+            json.dump({"full": FULL, "devices": jax.device_count(),
+                       "processes": _INFO.num_processes, "files": dict(rows)}, f, indent=1)
 
 
 @pytest.fixture

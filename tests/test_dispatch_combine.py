@@ -13,7 +13,7 @@ import pytest
 
 import ep_comm
 from collectives import row_kernels
-from conftest import ALL_BACKENDS, backend_skip_reason, needs_backend
+from conftest import ALL_BACKENDS, BACKENDS, backend_skip_reason, needs_backend
 from moe_reference import Reference, dense_moe, routing
 
 T, K, H, F = 16, 4, 8, 6
@@ -26,7 +26,7 @@ def config(n, backend="portable", **kw):
                             tokens_per_rank=T, backend=backend, **kw)
 
 
-BACKENDS = pytest.mark.parametrize("backend", ALL_BACKENDS)
+BACKEND = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def inputs(rng, n, kind, dtype=np.float32):
@@ -52,7 +52,7 @@ def run_identity(sharded, cfg, x, ids, w):
 
 
 @pytest.mark.multiprocess
-@BACKENDS
+@BACKEND
 @pytest.mark.parametrize("kind", ROUTINGS)
 def test_dispatch_layout_and_identity_combine(sharded, n, rng, kind, backend):
     cfg = config(n, backend)
@@ -101,7 +101,7 @@ def test_each_token_sent_once_per_rank(sharded, n, rng):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind,backend", [("random", "portable"), ("masked", "portable")]
-                         + [("random", b) for b in ALL_BACKENDS if b != "portable"])
+                         + [("random", b) for b in BACKENDS if b != "portable"])
 def test_linear_experts_equal_dense_model_with_gradients(sharded, n, rng, kind, backend):
     needs_backend(backend)  # the native transports' results are typed apart from portable's
     cfg = config(n, backend)
@@ -219,7 +219,7 @@ def test_deterministic(sharded, n, rng):
 # ---- capacity overflow: counted and reported, never silent -----------------------------------------
 
 @pytest.mark.multiprocess
-@BACKENDS
+@BACKEND
 def test_small_capacity_overflow_is_counted_and_reported(sharded, n, rng, backend):
     cfg = config(n, backend, recv_capacity=T)  # far below the worst case
     assert not cfg.is_dropless

@@ -1,23 +1,28 @@
 """Fuzzing the public API (hypothesis): random shapes, dtypes, out-of-range and negative ids and
 sizes, NaN/Inf, T = 1, H = 1, topk = num_experts. Every case either matches the reference or raises
 a ``ValueError``/``TypeError`` that names the function; never another exception, a hang or a
-silently wrong result. Cases per run: ``EXAMPLES`` (the search starts from ``EP_COMM_TEST_SEED``)."""
+silently wrong result. Cases per run: ``EXAMPLES`` (the search starts from ``EP_COMM_TEST_SEED``;
+the fast command runs fewer of the cases that compile a program each, test-full all)."""
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, seed, settings, strategies as st
 
 import ep_comm
 import topology
-from conftest import BASE_SEED
+from conftest import BASE_SEED, FULL
 from moe_reference import Reference
 
 EXAMPLES = {"EPConfig": 300, "dispatch_layout": 100, "dispatch/combine": 10,
             "ragged_all_to_all": 12, "ragged_all_to_all errors": 60, "topology": 300, "moe_layer": 8}
+if not FULL:  # the fast command: fewer of the cases that each compile a program (new shapes)
+    EXAMPLES.update({"dispatch/combine": 4 if jax.process_count() == 1 else 2,
+                     "ragged_all_to_all": 6, "moe_layer": 3})
 
 
 def _settings(n):
@@ -166,7 +171,6 @@ _DEFECTS = ("dtype", "trailing shape", "no row axis", "float index", "2-D index"
 def test_ragged_all_to_all_rejects_malformed_calls(sharded, n, defects, grouped, m, rows):
     """A call with any of ``_DEFECTS`` raises a ValueError or TypeError naming
     ragged_all_to_all when the program is traced; a call with none traces."""
-    import jax
     from jax.sharding import PartitionSpec as P
 
     K = n * m

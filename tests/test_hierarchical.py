@@ -3,13 +3,15 @@
 Every test runs at any device count: the simulated shapes ``NxG`` that match the number of
 devices run (8 devices: 2x4, 4x2 and the degenerate 1x8, 8x1; 4: 2x2, 4x1; 2: 2x1, 1x2; 1: 1x1),
 over one flattened axis with a topology attached and over a mesh with separate node and local
-axes.
+axes. The fast command runs a covering set of shape x layout (x routing x transport): every
+shape, layout, routing and transport at least once (``conftest.matrix``); test-full all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from math import comb
 from typing import NamedTuple
@@ -22,12 +24,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
 import topology
-from conftest import ALL_BACKENDS, needs_backend
+from conftest import BACKENDS, N_DEVICES, matrix
 from moe_reference import Reference, dense_moe, hits_mean_sd, routing
 
 T, K, H, F = 16, 4, 8, 6
 SHAPES = ["2x4", "4x2", "1x8", "8x1", "2x2", "2x1", "1x2", "4x1", "1x1"]
 LAYOUTS = ["groups", "axes"]
+# the shapes of this run's device count, two-level ones (N, G > 1) first
+HERE = sorted((s for s in SHAPES if math.prod(map(int, s.split("x"))) == N_DEVICES),
+              key=lambda s: "1" in s.split("x"))
+TWO_LEVEL = [s for s in HERE if "1" not in s.split("x")] or HERE
+# routing patterns run single-process (portable); across processes, random routing
+KINDS = ["random", "masked", "empty_ranks"] if jax.process_count() == 1 else ["random"]
 
 
 def shape_of(spec, n):
@@ -102,15 +110,10 @@ def inputs(rng, n, kind, E=None, topk=K, tokens=T):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind", ["random", "masked", "empty_ranks"])
+@matrix("shape,layout,kind,backend", HERE, LAYOUTS, KINDS, BACKENDS,
+        strength=1 if jax.process_count() == 1 else 2)
 def test_hierarchical_equals_flat(n, rng, shape, layout, kind, backend):
     N, G = shape_of(shape, n)
-    needs_backend(backend)
-    if kind != "random" and (backend == "mpi" or jax.process_count() > 1):
-        pytest.skip("routing patterns run single-process on the portable backend")
     m = mesh_for(layout, N, G)
     x, ids, w = inputs(rng, n, kind)
     flat = run(m, m.config(n, "flat", backend), x, ids, w)
@@ -128,7 +131,7 @@ def test_hierarchical_equals_flat(n, rng, shape, layout, kind, backend):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("shape", ["2x4", "4x2", "2x2", "2x1", "1x2"])
+@matrix("shape", [s for s in HERE if s in ("2x4", "4x2", "2x2", "2x1", "1x2")], strength=0)
 def test_hierarchical_capacity_drops_like_flat(n, rng, shape):
     N, G = shape_of(shape, n)
     m = mesh_for("groups", N, G)
@@ -144,8 +147,8 @@ def test_hierarchical_capacity_drops_like_flat(n, rng, shape):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("shape", ["2x4", "4x2", "2x2", "2x1"])
+@matrix("shape,layout", [s for s in HERE if s in ("2x4", "4x2", "2x2", "2x1")], LAYOUTS,
+        strength=1)
 def test_hierarchical_gradients_equal_flat(n, rng, shape, layout):
     N, G = shape_of(shape, n)
     m = mesh_for(layout, N, G)
@@ -178,7 +181,8 @@ def test_hierarchical_gradients_equal_flat(n, rng, shape, layout):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("shape", ["2x4", "4x2", "2x2", "2x1", "1x2"])
+@matrix("shape", [s for s in TWO_LEVEL if s in ("2x4", "4x2", "2x2", "2x1", "1x2")],
+        strength=0)
 def test_link_rows_match_numpy_count_and_network_shrinks(n, rng, shape):
     N, G = shape_of(shape, n)
     m = mesh_for("groups", N, G)

@@ -19,14 +19,14 @@ from jax.sharding import Mesh
 import collectives
 import ep_comm
 from collectives import bootstrap
-from conftest import AXIS, Sharded, backend_skip_reason, needs_backend
+from conftest import AXIS, BACKENDS, Sharded, backend_skip_reason, needs_backend
 from ep_comm.ragged import _ragged_all_to_all
 
 ROWS, D = 6, 3
 pytestmark = pytest.mark.multiprocess  # the whole file is about processes
 
 
-@pytest.fixture(params=["mpi", "nccl"])
+@pytest.fixture(params=[b for b in ("mpi", "nccl") if b in BACKENDS])
 def native(request):
     needs_backend(request.param)
     return request.param

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
 import topology
-from conftest import BASE_SEED
+from conftest import BASE_SEED, FULL
 from ep_comm import pipeline
 from moe_reference import dense_swiglu_moe, routing
 from test_rounds import max_load, routings, served_once, swiglu_layer_and_grads
@@ -27,7 +27,8 @@ from test_rounds import max_load, routings, served_once, swiglu_layer_and_grads
 pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
 
 T, K, H, I = 8, 3, 4, 5
-SETTINGS = settings(max_examples=8 if jax.process_count() == 1 else 2, deadline=None,
+SETTINGS = settings(max_examples=(8 if FULL else 4) if jax.process_count() == 1 else 2,
+                    deadline=None,
                     database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])

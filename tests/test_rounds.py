@@ -17,14 +17,16 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
 import ep_comm
 from ep_comm import pipeline
-from conftest import BASE_SEED
+from conftest import BASE_SEED, FULL
 from moe_reference import routing
 
 pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
 
 T, K, H, I = 8, 3, 4, 5
-# fewer under mpirun (every process draws the same examples; each costs a cross-process run)
-SETTINGS = settings(max_examples=10 if jax.process_count() == 1 else 2, deadline=None,
+# fewer under mpirun (every process draws the same examples; each costs a cross-process run) and
+# in the fast command (each example compiles a program for its capacity)
+SETTINGS = settings(max_examples=(10 if FULL else 4) if jax.process_count() == 1 else 2,
+                    deadline=None,
                     database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
