@@ -43,9 +43,14 @@ ENGINE_ONLY = {"exit_after_metadata", "stall_after_metadata"}  # hooks inside th
 
 
 def run_one(backend: str, n: int, fault: str, timeout: float, startup: float) -> dict:
-    env = dict(os.environ, EP_COMM_TIMEOUT_S=str(timeout), EP_COMM_CPU_DEVICES="1",
+    # (a process that initialized MPI as a singleton, e.g. a pytest-xdist worker, carries
+    # OMPI_MCA_ess=singleton & co., which make a child mpirun exit at once)
+    inherited = {k: v for k, v in os.environ.items()
+                 if not k.startswith(("OMPI_MCA_", "OMPI_APP_CTX", "OMPI_COMM_WORLD", "PMIX_"))}
+    env = dict(inherited, EP_COMM_TIMEOUT_S=str(timeout), EP_COMM_CPU_DEVICES="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
+               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
+               JAX_PLATFORMS="cpu")
     env.pop("EP_COMM_FAULT", None)
     cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable, WORKER, "--fault", fault,
            "--backend", backend]

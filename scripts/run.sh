@@ -2,7 +2,9 @@
 # One entry point for a fresh machine: sets up .venv (and OpenMPI for the multi-process tests),
 # then runs what was asked.
 #   scripts/run.sh demo    # the MoE transformer example on 8 virtual CPU devices
-#   scripts/run.sh test    # the whole suite on 8 devices, then the multiprocess tests under mpirun
+#   scripts/run.sh test    # the suite's covering sets on 8 devices, then the multiprocess tests
+#                          # under mpirun (README: about N minutes on 2 cores)
+#   scripts/run.sh test-full  # the same phases with the exhaustive matrices (not in CI)
 #   scripts/run.sh bench   # the dispatch/combine benchmark on 8 virtual CPU devices
 #   scripts/run.sh setup   # only the test set-up (.venv, OpenMPI), as `test` makes it
 # Environment: PYTHON (default python3), EP_COMM_VENV (default .venv), EP_COMM_TEST_SEED.
@@ -54,53 +56,72 @@ case "$what" in
     need_mpi
     setup test,examples
     ;;
-  test)
+  test|test-full)
     need_mpi
     setup test,examples
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
     # One seed for every phase and worker (printed; EP_COMM_TEST_SEED=... replays the run).
     export EP_COMM_TEST_SEED="${EP_COMM_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
-    echo "== EP_COMM_TEST_SEED=$EP_COMM_TEST_SEED"
+    # test: the covering sets (tests/conftest.py); test-full: every transport x plan x shape x
+    # dtype x rank count (tests and parameters marked `full` too).
+    if [ "$what" = test-full ]; then export EP_COMM_TEST_FULL=1; else export EP_COMM_TEST_FULL=0; fi
+    echo "== EP_COMM_TEST_SEED=$EP_COMM_TEST_SEED EP_COMM_TEST_FULL=$EP_COMM_TEST_FULL"
     PYTEST_ARGS=("$@")
-    phase() {  # phase NAME COMMAND...: run, time, and stop the script on failure
-      local name=$1 t0=$SECONDS rc=0; shift
+    # XLA:CPU compiles, at LLVM -O0 and with its older (non-MLIR) fusion emitters: compiling is
+    # most of the suite's time, the tests check ep_comm's logic, not LLVM's code (measured on 2
+    # cores: the emitters flag alone took a sample's compile time from 38 s to 25 s);
+    # scripts/gpu_check.sh runs the suite at XLA's defaults on the GPU.
+    CPU_XLA="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    # Each phase's budget in seconds (README, "Tests"): past it the phase still passes, with a
+    # warning. test's add up to 15 minutes on the 2-core CI machine with the set-up.
+    if [ "$EP_COMM_TEST_FULL" = 1 ]; then budgets=(3600 1800 1800 1800); else budgets=(330 120 180 180); fi
+    summary=()
+    phase() {  # phase NAME BUDGET COMMAND...: run, time, warn past the budget, stop on failure
+      local name=$1 budget=$2 t0=$SECONDS rc=0; shift 2
       echo "== $name"
       "$@" || rc=$?
-      echo "== $name: $(( SECONDS - t0 )) s, exit $rc"
+      local took=$(( SECONDS - t0 )) note=""
+      [ "$took" -le "$budget" ] || note="  WARNING: over its budget of $budget s (README, Tests)"
+      echo "== $name: $took s, exit $rc$note"
+      summary+=("$(printf '%5s s  (budget %5s s)  %s%s' "$took" "$budget" "$name" "$note")")
       # 5: the arguments selected no test of this phase (e.g. -k naming a single-process test)
       [ "$rc" = 0 ] || [ "$rc" = 5 ] || { echo "FAILED: $name"; exit 1; }
     }
-    # The whole suite once, on 8 CPU devices. (One process: the tests share compiled programs;
-    # pytest-xdist over 2 cores measured slower, 179 s against 142 s.) XLA's CPU backend compiles
-    # at LLVM -O0 here as in the mpirun phases: the tests check ep_comm's logic, not LLVM's code,
-    # and compiling dominates them (322 s at the default level, 202 s at -O0, with the layer
-    # tests); scripts/gpu_check.sh runs the suite at XLA's defaults on the GPU.
-    XLA_FLAGS="$XLA_FLAGS --xla_backend_optimization_level=0" \
-      phase "single process, 8 CPU devices" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-      --timeout 600 tests "${PYTEST_ARGS[@]}"
+    # The whole suite once, on 8 CPU devices, in 2 pytest-xdist workers (a process compiles on
+    # one core; --dist loadfile keeps a file's tests, which share compiled programs, together).
+    XLA_FLAGS="$XLA_FLAGS $CPU_XLA" \
+      phase "single process, 8 CPU devices (2 workers)" "${budgets[0]}" \
+      "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 600 \
+      -n "${EP_COMM_TEST_WORKERS:-2}" --dist loadfile tests "${PYTEST_ARGS[@]}"
     # Under mpirun, the tests marked multiprocess: the MPI engine, bootstrap and launch helpers, and
     # the exchange and dispatch/combine equalities across processes and at 2 and 4 ranks. Each
     # process takes EP_COMM_CPU_DEVICES devices (not XLA_FLAGS' 8): one device per process runs the
     # MPI transport (the native engine) next to the others; two per process covers processes that
-    # drive several devices. XLA's backend optimisation level is 0 there: these phases are about
-    # what crosses processes, and LLVM at -O0 compiles their programs in about 60% of the time
-    # (measured). The tests of the MoE layer above dispatch and combine (marked layer: the
-    # pipeline, rounds, moe_layer, the example model) compose what the other tests check across
-    # processes at every rank count; under mpirun they run in the 2 x 2 phase only (4 ranks, 2
-    # processes each driving 2 devices). Measured on 2 cores, same seed: -n 4 took 547 s without
-    # them against 966 s with them, -n 2 263 s without them.
+    # drive several devices. The tests of the MoE layer above dispatch and combine (marked layer:
+    # the pipeline, rounds, moe_layer, the example model) compose what the other tests check
+    # across processes at every rank count; under mpirun they run in the 2 x 2 phase only (4
+    # ranks, 2 processes each driving 2 devices).
     mpi_phase() {
-      XLA_FLAGS=--xla_backend_optimization_level=0 EP_COMM_CPU_DEVICES=$2 timeout 1800 \
+      XLA_FLAGS="$CPU_XLA" EP_COMM_CPU_DEVICES=$2 timeout 1800 \
         mpirun -n "$1" --oversubscribe "$VENV/bin/python" -m pytest --with-mpi -q \
         -p no:cacheprovider --timeout 300 --color=no -m "$3" tests "${PYTEST_ARGS[@]}" 2>&1 \
         | grep -a -v '^\[Gloo\]'
     }
-    for run in "2 1 multiprocess and not layer" "4 1 multiprocess and not layer" "2 2 multiprocess"; do
+    # The fast command's -n 4 phase runs the tests marked processes (the MPI transport at 4 ranks,
+    # launch, bootstrap, barrier): the 2 x 2 phase runs the other cases at 4 ranks.
+    runs=("2 1 multiprocess and not layer" "4 1 multiprocess and processes and not layer"
+          "2 2 multiprocess")
+    [ "$EP_COMM_TEST_FULL" = 1 ] && runs[1]="4 1 multiprocess and not layer"
+    i=1
+    for run in "${runs[@]}"; do
       set -- $run
-      phase "mpirun -n $1 ($2 CPU device(s) per process), tests marked ${*:3}" \
+      phase "mpirun -n $1 ($2 CPU device(s) per process), tests marked ${*:3}" "${budgets[$i]}" \
         mpi_phase "$1" "$2" "${*:3}"
+      i=$((i + 1))
     done
+    echo "== phases (EP_COMM_TEST_FULL=$EP_COMM_TEST_FULL, EP_COMM_TEST_SEED=$EP_COMM_TEST_SEED)"
+    printf '%s\n' "${summary[@]}"
     ;;
   *)
-    echo "usage: scripts/run.sh {demo|test|bench|setup} [args...]" >&2; exit 2 ;;
+    echo "usage: scripts/run.sh {demo|test|test-full|bench|setup} [args...]" >&2; exit 2 ;;
 esac

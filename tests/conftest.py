@@ -13,15 +13,19 @@ from it.
 Markers: ``multiprocess`` marks the tests whose outcome depends on running as several processes
 (the native MPI engine, bootstrap and launch helpers, the exchanges and dispatch/combine
 equalities across process boundaries and at other rank counts). ``scripts/run.sh test`` runs
-the whole suite once on 8 devices and only these under ``mpirun``. ``full`` marks the tests and
+the whole suite once on 8 devices and only these under ``mpirun``; ``processes`` marks those
+that depend on the number of processes itself (launch, bootstrap, barrier, discovery, and every
+case of the MPI transport, one process per rank: added here), which the fast command's
+``mpirun -n 4`` phase runs (the 2 x 2 phase has the other 4-rank cases). ``full`` marks the tests and
 parameters that only the exhaustive matrices run (``scripts/run.sh test-full``, or
 ``EP_COMM_TEST_FULL=1``): the fast command deselects them. :func:`matrix` builds a
 parametrization whose fast part is a covering (pairwise) set of the full cartesian product.
 
 Compile accounting: every test's XLA compilations (programs and seconds, from JAX's monitoring
-events) are summed per test file and printed at the end of the run (process 0), with the
-run's wall time per file: compiled programs are what the run's time goes to. ``EP_COMM_TEST_PROFILE=
-file.json`` also writes the table.
+events) are summed per test file and printed at the end of the run (process 0; pytest-xdist
+workers' counts added up), with the run's wall time per file and the ``EP_COMM_TEST_SLOWEST``
+(15) slowest tests: compiled programs are what the run's time goes to. ``EP_COMM_TEST_PROFILE=
+file.json`` also writes the tables, per file and per test.
 """
 
 from __future__ import annotations
@@ -144,6 +148,10 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for it in items:  # the MPI transport (one process per rank) depends on the process count
+        params = getattr(it, "callspec", None)
+        if params and "mpi" in (params.params.get("backend"), params.params.get("native")):
+            it.add_marker(pytest.mark.processes)
     if FULL:
         return
     skipped = [it for it in items if it.get_closest_marker("full")]
@@ -158,16 +166,19 @@ _LOWER_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                  "/jax/core/compile/jaxpr_to_mlir_module_duration")
 _ACCOUNT = collections.defaultdict(lambda: {"tests": 0, "programs": 0, "compile_s": 0.0,
                                             "trace_lower_s": 0.0, "wall_s": 0.0})
-_NOW = {"file": "(collection)"}
+_PER_TEST = collections.defaultdict(lambda: {"tests": 0, "programs": 0, "compile_s": 0.0,
+                                              "trace_lower_s": 0.0, "wall_s": 0.0})
+_NOW = {"file": "(collection)", "test": "(collection)"}
+_SLOWEST = int(os.environ.get("EP_COMM_TEST_SLOWEST", "15"))
 
 
 def _on_duration(event, duration, **_):
-    row = _ACCOUNT[_NOW["file"]]
-    if event == _COMPILE_EVENT:
-        row["programs"] += 1
-        row["compile_s"] += duration
-    elif event in _LOWER_EVENTS:
-        row["trace_lower_s"] += duration
+    for row in (_ACCOUNT[_NOW["file"]], _PER_TEST[_NOW["test"]]):
+        if event == _COMPILE_EVENT:
+            row["programs"] += 1
+            row["compile_s"] += duration
+        elif event in _LOWER_EVENTS:
+            row["trace_lower_s"] += duration
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -175,13 +186,28 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _NOW["file"] = item.nodeid.split("::")[0]
+    _NOW["file"], _NOW["test"] = item.nodeid.split("::")[0], item.nodeid
     t0 = time.perf_counter()
     yield
-    row = _ACCOUNT[_NOW["file"]]
-    row["tests"] += 1
-    row["wall_s"] += time.perf_counter() - t0
-    _NOW["file"] = "(between tests)"
+    for row in (_ACCOUNT[_NOW["file"]], _PER_TEST[_NOW["test"]]):
+        row["tests"] += 1
+        row["wall_s"] += time.perf_counter() - t0
+    _NOW["file"] = _NOW["test"] = "(between tests)"
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: hand the counts over
+        session.config.workeroutput["ep_comm_account"] = json.dumps(
+            {"files": _ACCOUNT, "tests": _PER_TEST})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # the pytest-xdist controller: add up its workers'
+    got = json.loads(getattr(node, "workeroutput", {}).get("ep_comm_account", "{}"))
+    for mine, theirs in ((_ACCOUNT, got.get("files", {})), (_PER_TEST, got.get("tests", {}))):
+        for name, row in theirs.items():
+            for k, v in row.items():
+                mine[name][k] += v
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -200,10 +226,16 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_line(f"{'total':<36} {total['tests']:>6} {total['wall_s']:>8.1f} "
                   f"{total['programs']:>9} {total['compile_s']:>10.1f} "
                   f"{total['trace_lower_s']:>14.1f}")
+    slowest = sorted(_PER_TEST.items(), key=lambda kv: -kv[1]["wall_s"])[:_SLOWEST]
+    if slowest:
+        tr.section(f"slowest {len(slowest)} tests (wall s, programs compiled)")
+        for name, r in slowest:
+            tr.write_line(f"{r['wall_s']:8.2f} {r['programs']:5d}  {name}")
     if path := os.environ.get("EP_COMM_TEST_PROFILE"):
         with open(path, "w") as f:
             json.dump({"full": FULL, "devices": jax.device_count(),
-                       "processes": _INFO.num_processes, "files": dict(rows)}, f, indent=1)
+                       "processes": _INFO.num_processes, "files": dict(rows),
+                       "tests": dict(_PER_TEST)}, f, indent=1)
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ def test_inactive_in_one_process_or_off(monkeypatch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.processes
 def test_values_gradient_and_order_between_processes(sharded, n, rng):
     """Between processes the barrier sits in the program (one host callback per call),
     every process's call number advances by one per program run, and the collective behind it is

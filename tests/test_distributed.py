@@ -11,7 +11,7 @@ import pytest
 import ep_comm
 from conftest import _INFO
 
-pytestmark = pytest.mark.multiprocess  # the whole file is about processes
+pytestmark = [pytest.mark.multiprocess, pytest.mark.processes]  # the file is about processes
 
 
 @pytest.mark.parametrize("env,want", [

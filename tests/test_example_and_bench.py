@@ -30,6 +30,7 @@ def test_example_matches_dense_at_step_0_and_learns(n):
 
 @pytest.mark.multiprocess
 @pytest.mark.layer
+@pytest.mark.full  # the fast command: the layer across processes in test_pipeline/rounds/layer
 def test_example_trains_across_processes(n):
     """Under mpirun: the expert-parallel model equals the dense one at step 0 and its loss falls
     (fixed seed; learning to convergence is the single-process test's, above)."""

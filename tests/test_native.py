@@ -23,7 +23,7 @@ from conftest import AXIS, BACKENDS, Sharded, backend_skip_reason, needs_backend
 from ep_comm.ragged import _ragged_all_to_all
 
 ROWS, D = 6, 3
-pytestmark = pytest.mark.multiprocess  # the whole file is about processes
+pytestmark = [pytest.mark.multiprocess, pytest.mark.processes]  # the file is about processes
 
 
 @pytest.fixture(params=[b for b in ("mpi", "nccl") if b in BACKENDS])

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
 import topology
-from conftest import BASE_SEED, FULL
+from conftest import BASE_SEED, FULL, full
 from ep_comm import pipeline
 from moe_reference import dense_swiglu_moe, routing
 from test_rounds import max_load, routings, served_once, swiglu_layer_and_grads
@@ -62,12 +62,13 @@ def _inputs(rng, n, kind, L=4):
 NAMES = ("y", "d x", "d topk_weights", "d w_in", "d w_out")
 
 
-@pytest.mark.parametrize("by,kind,chunks", [
-    ("tokens", "random", 2), pytest.param("tokens", "skewed", 4, marks=pytest.mark.multiprocess),
-    ("tokens", "one_expert", 4), ("tokens", "empty_ranks", 2),
-    ("experts", "random", 2), pytest.param("experts", "skewed", 3,
-                                           marks=pytest.mark.multiprocess),
-    ("experts", "one_expert", 4), ("experts", "empty_ranks", 4)])
+@pytest.mark.parametrize("by,kind,chunks", [  # fast: two chunkings of each kind, 4 programs
+    pytest.param("tokens", "random", 2, marks=full),
+    pytest.param("tokens", "skewed", 4, marks=pytest.mark.multiprocess),
+    ("tokens", "one_expert", 4), pytest.param("tokens", "empty_ranks", 2, marks=full),
+    pytest.param("experts", "random", 2, marks=full),
+    pytest.param("experts", "skewed", 3, marks=pytest.mark.multiprocess),
+    pytest.param("experts", "one_expert", 4, marks=full), ("experts", "empty_ranks", 3)])
 def test_chunks_equal_one_chunk_and_the_dense_layer_with_gradients(sharded, n, rng, by, kind,
                                                                     chunks):
     """Token chunks: a token's rows go through the same experts and sums in either case, and
@@ -171,7 +172,7 @@ def shared_layer_and_grads(sharded, cfg):
     return sharded.smap(f)
 
 
-@pytest.mark.parametrize("by", ["tokens", "experts"])
+@pytest.mark.parametrize("by", ["tokens", pytest.param("experts", marks=full)])
 def test_chunks_with_a_shared_expert_equal_one_chunk_and_the_dense_layer(sharded, n, rng, by):
     """The shared expert runs inside the pipeline, in two halves under the first dispatch and
     the last combine; values and gradients (its weights' too) as without chunks, and as dense."""
@@ -201,7 +202,8 @@ def test_chunks_with_a_shared_expert_equal_one_chunk_and_the_dense_layer(sharded
                                    err_msg=f"{name} against the dense layer")
 
 
-def test_hierarchical_chunks_equal_one_chunk(sharded, n, rng):
+@pytest.mark.parametrize("chunks", [2, pytest.param(4, marks=full)])
+def test_hierarchical_chunks_equal_one_chunk(sharded, n, rng, chunks):
     """The hierarchical plan's two legs per exchange: the first overlaps, the second runs when
     the chunk is finished."""
     if n % 2:
@@ -210,13 +212,14 @@ def test_hierarchical_chunks_equal_one_chunk(sharded, n, rng):
     ids, x, w, w_in, w_out, cot = _inputs(rng, n, "skewed")
     args = sharded.put(x, ids, w, w_in, w_out, cot)
     one = sharded.get(swiglu_layer_and_grads(sharded, config(n, 1, **kw))(*args))
-    got = sharded.get(swiglu_layer_and_grads(sharded, config(n, 4, **kw))(*args))
+    got = sharded.get(swiglu_layer_and_grads(sharded, config(n, chunks, **kw))(*args))
     for name, g, r in zip(NAMES, got[:1] + got[2:], one[:1] + one[2:]):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * (1 + np.abs(r).max()),
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("by,kind", [("tokens", "skewed"), ("experts", "skewed"),
+@pytest.mark.parametrize("by,kind", [pytest.param("tokens", "skewed", marks=full),
+                                     ("experts", "skewed"),
                                      ("experts", "one_expert")])  # (chunk 1: no pairs)
 def test_chunks_in_rounds_equal_the_worst_case_layer_with_gradients(sharded, n, rng, by, kind):
     L = 4 if by == "tokens" else L_X

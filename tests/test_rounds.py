@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
 import ep_comm
 from ep_comm import pipeline
-from conftest import BASE_SEED, FULL
+from conftest import BASE_SEED, FULL, full
 from moe_reference import routing
 
 pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
@@ -126,7 +126,8 @@ def swiglu_layer_and_grads(sharded, cfg):
 @pytest.mark.parametrize("kind,capacity", [
     # under mpirun (scripts/run.sh test) one of them (and the hypothesis test above)
     ("random", 1), pytest.param("skewed", T * K, marks=pytest.mark.multiprocess),
-    ("one_expert", 1), ("one_rank", 3), ("empty_ranks", 2 * T * K)])
+    ("one_expert", 1), pytest.param("one_rank", 3, marks=full),
+    pytest.param("empty_ranks", 2 * T * K, marks=full)])
 def test_rounds_equal_the_worst_case_round_with_gradients(sharded, n, rng, kind, capacity):
     E = 4 * n
     ids = routing(rng, kind, n, T, K, E)

@@ -62,6 +62,7 @@ def test_topology_errors(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.processes
 def test_discover_this_machine(monkeypatch):
     monkeypatch.delenv(topology.ENV, raising=False)
     t = topology.discover()
