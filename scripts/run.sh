@@ -107,11 +107,16 @@ case "$what" in
         -p no:cacheprovider --timeout 300 --color=no -m "$3" tests "${PYTEST_ARGS[@]}" 2>&1 \
         | grep -a -v '^\[Gloo\]'
     }
-    # The fast command's -n 4 phase runs the tests marked processes (the MPI transport at 4 ranks,
-    # launch, bootstrap, barrier): the 2 x 2 phase runs the other cases at 4 ranks.
-    runs=("2 1 multiprocess and not layer" "4 1 multiprocess and processes and not layer"
-          "2 2 multiprocess")
-    [ "$EP_COMM_TEST_FULL" = 1 ] && runs[1]="4 1 multiprocess and not layer"
+    # The fast command's -n 2 and -n 4 phases (one device per process) run the tests marked
+    # processes: the MPI transport at 2 and 4 ranks, launch, bootstrap, barrier, discovery. The
+    # 2 x 2 phase runs every other multiprocess case (the portable transport across processes,
+    # at 4 ranks) and the layer's.
+    if [ "$EP_COMM_TEST_FULL" = 1 ]; then
+      runs=("2 1 multiprocess and not layer" "4 1 multiprocess and not layer" "2 2 multiprocess")
+    else
+      runs=("2 1 multiprocess and processes and not layer"
+            "4 1 multiprocess and processes and not layer" "2 2 multiprocess")
+    fi
     i=1
     for run in "${runs[@]}"; do
       set -- $run

@@ -16,7 +16,7 @@ equalities across process boundaries and at other rank counts). ``scripts/run.sh
 the whole suite once on 8 devices and only these under ``mpirun``; ``processes`` marks those
 that depend on the number of processes itself (launch, bootstrap, barrier, discovery, and every
 case of the MPI transport, one process per rank: added here), which the fast command's
-``mpirun -n 4`` phase runs (the 2 x 2 phase has the other 4-rank cases). ``full`` marks the tests and
+``mpirun -n 2`` and ``-n 4`` phases run (its 2 x 2 phase runs the other cases across processes). ``full`` marks the tests and
 parameters that only the exhaustive matrices run (``scripts/run.sh test-full``, or
 ``EP_COMM_TEST_FULL=1``): the fast command deselects them. :func:`matrix` builds a
 parametrization whose fast part is a covering (pairwise) set of the full cartesian product.

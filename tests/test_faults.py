@@ -25,7 +25,8 @@ needs_mpi = pytest.mark.skipif(
 
 
 @needs_mpi
-@pytest.mark.parametrize("fault", ["one_call_fewer", "stall_after_metadata"])
+@pytest.mark.parametrize("fault", ["one_call_fewer",
+                                   pytest.param("stall_after_metadata", marks=pytest.mark.full)])
 def test_survivors_get_a_diagnostic_within_the_timeout(fault):
     timeout = 5.0
     r = faults.run_one("mpi", 2, fault, timeout, startup=60.0)

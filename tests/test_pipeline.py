@@ -27,7 +27,8 @@ from test_rounds import max_load, routings, served_once, swiglu_layer_and_grads
 pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
 
 T, K, H, I = 8, 3, 4, 5
-SETTINGS = settings(max_examples=(8 if FULL else 4) if jax.process_count() == 1 else 2,
+SETTINGS = settings(max_examples=(8 if FULL else 3) if jax.process_count() == 1 else
+                    (2 if FULL else 1),
                     deadline=None,
                     database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,

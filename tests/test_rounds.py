@@ -25,7 +25,8 @@ pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.
 T, K, H, I = 8, 3, 4, 5
 # fewer under mpirun (every process draws the same examples; each costs a cross-process run) and
 # in the fast command (each example compiles a program for its capacity)
-SETTINGS = settings(max_examples=(10 if FULL else 4) if jax.process_count() == 1 else 2,
+SETTINGS = settings(max_examples=(10 if FULL else 4) if jax.process_count() == 1 else
+                    (2 if FULL else 1),
                     deadline=None,
                     database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
