@@ -15,6 +15,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the GPU machines run every transport: the suite's full matrices (docs/testing.md)
+export EP_COMM_TEST_FULL="${EP_COMM_TEST_FULL:-1}"
 PY="${PYTHON:-python3}"
 STEPS=",${STEPS:-build,tests,exchange,dispatch,topology},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }

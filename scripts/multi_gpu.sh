@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the GPU machines run every transport: the suite's full matrices (docs/testing.md)
+export EP_COMM_TEST_FULL="${EP_COMM_TEST_FULL:-1}"
 N="${1:-$(nvidia-smi -L | wc -l)}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if [ ! -e collectives/_ep_nccl*.so ]; then

@@ -13,28 +13,22 @@ from it.
 Markers: ``multiprocess`` marks the tests whose outcome depends on running as several processes
 (the native MPI engine, bootstrap and launch helpers, the exchanges and dispatch/combine
 equalities across process boundaries and at other rank counts). ``scripts/run.sh test`` runs
-the whole suite once on 8 devices and only these under ``mpirun``; ``processes`` marks those
+the whole suite once on 8 devices and only these under ``mpirun``. ``processes`` marks those
 that depend on the number of processes itself (launch, bootstrap, barrier, discovery, and every
-case of the MPI transport, one process per rank: added here), which the fast command's
-``mpirun -n 2`` and ``-n 4`` phases run (its 2 x 2 phase runs the other cases across processes). ``full`` marks the tests and
-parameters that only the exhaustive matrices run (``scripts/run.sh test-full``, or
-``EP_COMM_TEST_FULL=1``): the fast command deselects them. :func:`matrix` builds a
-parametrization whose fast part is a covering (pairwise) set of the full cartesian product.
+case of the MPI transport, one process per rank: added here); the fast command's ``mpirun -n 2``
+and ``-n 4`` phases run them, its 2 x 2 phase every multiprocess test. ``full`` marks the tests
+and parameters that only the exhaustive matrices run (``scripts/run.sh test-full``, or
+``EP_COMM_TEST_FULL=1``): the fast command deselects them. :func:`matrix` parametrizes over a
+cartesian product whose fast part is a covering set (docs/testing.md).
 
-Compile accounting: every test's XLA compilations (programs and seconds, from JAX's monitoring
-events) are summed per test file and printed at the end of the run (process 0; pytest-xdist
-workers' counts added up), with the run's wall time per file and the ``EP_COMM_TEST_SLOWEST``
-(15) slowest tests: compiled programs are what the run's time goes to. ``EP_COMM_TEST_PROFILE=
-file.json`` also writes the tables, per file and per test.
+The run ends with the compiled programs per test file and the slowest tests
+(``compile_accounting``).
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
-import json
 import os
-import time
 import zlib
 
 import numpy as np
@@ -48,6 +42,10 @@ _INFO = ep_comm.distributed.initialize(
 
 import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+# the compile accounting's hooks (pytest finds them by name in this module)
+from compile_accounting import (  # noqa: E402, F401
+    pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary, pytest_testnodedown)
 
 AXIS = "ep"
 if os.environ.get("EP_COMM_TEST_COMPILE_CACHE") and _INFO.num_processes == 1:
@@ -80,7 +78,8 @@ os.environ["EP_COMM_TEST_SEED"] = str(BASE_SEED)
 # Every transport the suite runs against; each test skips those that cannot run here.
 ALL_BACKENDS = ["portable", "xla", "mpi", "nccl"]
 
-# The exhaustive matrices (scripts/run.sh test-full) or the fast covering sets (scripts/run.sh test).
+# The exhaustive matrices (scripts/run.sh test-full) or the fast covering sets (scripts/run.sh
+# test).
 FULL = os.environ.get("EP_COMM_TEST_FULL", "0") not in ("", "0")
 full = pytest.mark.full  # a test or parameter that only test-full runs
 
@@ -154,88 +153,10 @@ def pytest_collection_modifyitems(config, items):
             it.add_marker(pytest.mark.processes)
     if FULL:
         return
-    skipped = [it for it in items if it.get_closest_marker("full")]
-    if skipped:
-        config.hook.pytest_deselected(items=skipped)
+    left_out = [it for it in items if it.get_closest_marker("full")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
         items[:] = [it for it in items if not it.get_closest_marker("full")]
-
-
-# --- compile accounting: which test files the run's time goes to, and how much is XLA compiling
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_LOWER_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                 "/jax/core/compile/jaxpr_to_mlir_module_duration")
-_ACCOUNT = collections.defaultdict(lambda: {"tests": 0, "programs": 0, "compile_s": 0.0,
-                                            "trace_lower_s": 0.0, "wall_s": 0.0})
-_PER_TEST = collections.defaultdict(lambda: {"tests": 0, "programs": 0, "compile_s": 0.0,
-                                              "trace_lower_s": 0.0, "wall_s": 0.0})
-_NOW = {"file": "(collection)", "test": "(collection)"}
-_SLOWEST = int(os.environ.get("EP_COMM_TEST_SLOWEST", "15"))
-
-
-def _on_duration(event, duration, **_):
-    for row in (_ACCOUNT[_NOW["file"]], _PER_TEST[_NOW["test"]]):
-        if event == _COMPILE_EVENT:
-            row["programs"] += 1
-            row["compile_s"] += duration
-        elif event in _LOWER_EVENTS:
-            row["trace_lower_s"] += duration
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    _NOW["file"], _NOW["test"] = item.nodeid.split("::")[0], item.nodeid
-    t0 = time.perf_counter()
-    yield
-    for row in (_ACCOUNT[_NOW["file"]], _PER_TEST[_NOW["test"]]):
-        row["tests"] += 1
-        row["wall_s"] += time.perf_counter() - t0
-    _NOW["file"] = _NOW["test"] = "(between tests)"
-
-
-def pytest_sessionfinish(session):
-    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: hand the counts over
-        session.config.workeroutput["ep_comm_account"] = json.dumps(
-            {"files": _ACCOUNT, "tests": _PER_TEST})
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):  # the pytest-xdist controller: add up its workers'
-    got = json.loads(getattr(node, "workeroutput", {}).get("ep_comm_account", "{}"))
-    for mine, theirs in ((_ACCOUNT, got.get("files", {})), (_PER_TEST, got.get("tests", {}))):
-        for name, row in theirs.items():
-            for k, v in row.items():
-                mine[name][k] += v
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _INFO.process_id != 0 or not _ACCOUNT:
-        return
-    rows = sorted(_ACCOUNT.items(), key=lambda kv: -kv[1]["wall_s"])
-    tr = terminalreporter
-    tr.section("time per test file (XLA compiles: programs and seconds)")
-    tr.write_line(f"{'file':<36} {'tests':>6} {'wall s':>8} {'programs':>9} {'compile s':>10} "
-                  f"{'trace+lower s':>14}")
-    total = collections.Counter()
-    for name, r in rows:
-        tr.write_line(f"{name:<36} {r['tests']:>6} {r['wall_s']:>8.1f} {r['programs']:>9} "
-                      f"{r['compile_s']:>10.1f} {r['trace_lower_s']:>14.1f}")
-        total.update(r)
-    tr.write_line(f"{'total':<36} {total['tests']:>6} {total['wall_s']:>8.1f} "
-                  f"{total['programs']:>9} {total['compile_s']:>10.1f} "
-                  f"{total['trace_lower_s']:>14.1f}")
-    slowest = sorted(_PER_TEST.items(), key=lambda kv: -kv[1]["wall_s"])[:_SLOWEST]
-    if slowest:
-        tr.section(f"slowest {len(slowest)} tests (wall s, programs compiled)")
-        for name, r in slowest:
-            tr.write_line(f"{r['wall_s']:8.2f} {r['programs']:5d}  {name}")
-    if path := os.environ.get("EP_COMM_TEST_PROFILE"):
-        with open(path, "w") as f:
-            json.dump({"full": FULL, "devices": jax.device_count(),
-                       "processes": _INFO.num_processes, "files": dict(rows),
-                       "tests": dict(_PER_TEST)}, f, indent=1)
 
 
 @pytest.fixture
