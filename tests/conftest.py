@@ -75,7 +75,7 @@ BASE_SEED = _base_seed()
 # Subprocesses a test starts (and pytest-xdist workers) inherit the seed.
 os.environ["EP_COMM_TEST_SEED"] = str(BASE_SEED)
 
-# Every transport the suite runs against; each test skips those that cannot run here.
+# Every transport the suite knows; BACKENDS (below) are those that run in this process.
 ALL_BACKENDS = ["portable", "xla", "mpi", "nccl"]
 
 # The exhaustive matrices (scripts/run.sh test-full) or the fast covering sets (scripts/run.sh
@@ -129,11 +129,6 @@ def backend_skip_reason(backend: str) -> str | None:
 # count of this run.
 BACKENDS = [b for b in ALL_BACKENDS if backend_skip_reason(b) is None]
 N_DEVICES = jax.device_count()
-
-
-def needs_backend(backend: str) -> None:
-    if (why := backend_skip_reason(backend)) is not None:
-        pytest.skip(why)
 
 
 def pytest_report_header(config):

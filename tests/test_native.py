@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 import collectives
 import ep_comm
 from collectives import bootstrap
-from conftest import AXIS, BACKENDS, Sharded, backend_skip_reason, needs_backend
+from conftest import AXIS, BACKENDS, Sharded, backend_skip_reason
 from ep_comm.ragged import _ragged_all_to_all
 
 ROWS, D = 6, 3
@@ -28,7 +28,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.processes]  # the file is ab
 
 @pytest.fixture(params=[b for b in ("mpi", "nccl") if b in BACKENDS])
 def native(request):
-    needs_backend(request.param)
     return request.param
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import collectives
 import ep_comm
-from conftest import BACKENDS, needs_backend
+from conftest import BACKENDS
 
 N_ROWS, M_ROWS, D = 24, 32, 3
 
@@ -116,7 +116,6 @@ def data(rng, n, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
 @pytest.mark.parametrize("kind", ["random", "skew", "empty", "two_per_peer"])
 def test_matches_reference(sharded, n, rng, dtype, kind, backend):
-    needs_backend(backend)
     case = make_case(rng, n, skew=kind == "skew", m=2 if kind == "two_per_peer" else 1,
                      empty_ranks=range(0, n, 2) if kind == "empty" else ())
     sizes, io, oo, rs, groups, m = case
@@ -129,7 +128,6 @@ def test_matches_reference(sharded, n, rng, dtype, kind, backend):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_axis_index_groups(sharded, n, rng, backend):
-    needs_backend(backend)
     if n % 2:
         pytest.skip("needs an even number of devices")
     half = n // 2
@@ -145,7 +143,6 @@ def test_axis_index_groups(sharded, n, rng, backend):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_operand_and_output(sharded, n, rng, backend):
-    needs_backend(backend)
     sizes, io, oo, rs, groups, m = make_case(rng, n)
     operand = rng.standard_normal((n, N_ROWS, D)).astype(np.float32)
     output = rng.standard_normal((n, M_ROWS, D)).astype(np.float32)
@@ -179,7 +176,6 @@ def test_grad_operand_and_output(sharded, n, rng, backend):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_jvp_is_exchange_of_tangents(sharded, n, rng, backend):
-    needs_backend(backend)
     sizes, io, oo, rs, groups, m = make_case(rng, n)
     a, b, ta, tb = (rng.standard_normal((n * r, D)).astype(np.float32)
                     for r in (N_ROWS, M_ROWS, N_ROWS, M_ROWS))
@@ -204,7 +200,6 @@ def rank_major(per_batch):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_over_a_batch(sharded, n, rng, backend):
-    needs_backend(backend)
     batch = 3
     cases = [make_case(rng, n) for _ in range(batch)]
     datas = [data(rng, n, "float32") for _ in range(batch)]
@@ -340,7 +335,6 @@ def test_auto_picks_nccl_on_gpus_where_built():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_start_done_equals_the_fused_exchange(sharded, n, rng, backend):
-    needs_backend(backend)
     sizes, io, oo, rs, groups, m = make_case(rng, n)
     operand, output = data(rng, n, "float32")
     b = rng.standard_normal((D, D)).astype(np.float32)
@@ -370,7 +364,6 @@ def test_done_needs_a_pending_exchange():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", [b for b in ("mpi", "nccl") if b in BACKENDS])
 def test_start_done_say_how_to_differentiate(sharded, n, rng, backend):
-    needs_backend(backend)
     sizes, io, oo, rs, groups, m = make_case(rng, n)
     operand, output = data(rng, n, "float32")
     ints = [x.astype(np.int32).reshape(-1) for x in (io, sizes, oo, rs)]
