@@ -1,0 +1,53 @@
+"""The documentation's examples run and its links resolve.
+
+Every ```python block right after a ``<!-- example -->`` line in README.md or docs/*.md runs as
+it stands (on this run's devices: 8 CPU devices in the test command), and every relative link
+between those pages names a file that exists and, with ``#anchor``, a heading in it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_EXAMPLE = re.compile(r"^<!-- example -->\n```python\n(.*?)^```", re.M | re.S)
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def examples():
+    return [pytest.param(m.group(1), id=f"{p.relative_to(ROOT)}:{p.read_text()[:m.start()].count(chr(10)) + 1}")
+            for p in PAGES for m in _EXAMPLE.finditer(p.read_text())]
+
+
+def anchors(page: pathlib.Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    heads = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("code", examples())
+def test_example_runs(code):
+    exec(compile(code, "<docs example>", "exec"), {"__name__": "docs_example"})
+
+
+def test_there_are_examples():
+    assert examples(), "no <!-- example --> block in README.md or docs/*.md"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    bad = []
+    for target in _LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target}: no file {dest.relative_to(ROOT)}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not bad, "\n".join(bad)
