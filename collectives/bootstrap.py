@@ -78,7 +78,7 @@ def load(name: str):
         except ImportError as e:
             what = "row kernels are" if name == "rows" else f"{name} transport is"
             mod, reason = None, (f"the native {what} not built into this install "
-                                 f"({e}); see README, 'Native engine'")
+                                 f"({e}); see docs/native_engine.md")
         if reason is not None:
             _reasons[name] = reason
             return None, reason

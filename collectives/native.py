@@ -14,7 +14,7 @@ per-peer metadata (offsets, sizes, shapes, a config tag) is exchanged on the dev
 kernel into pinned mapped host memory, and start polls a flag for it (with a deadline) before it
 issues the payload sends, because ``ncclSend`` takes its byte count from the host. That wait is the
 one host synchronisation per call; XLA's own ragged all-to-all makes the same wait with a blocking
-copy. Its cost is in the benchmark (``python -m ep_comm.bench``, README).
+copy. Its cost is in the benchmark (``python -m ep_comm.bench``, docs/performance.md).
 
 Errors: every rank checks every transfer it takes part in against both ends' metadata (sizes that
 agree, rows inside both buffers, same shapes and config tag); ill-formed transfers are skipped by

@@ -75,7 +75,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         exchange runs inside each group and offsets index group members.
       backend: ``"auto"`` (``nccl`` on GPUs where the engine is built, else ``portable``),
         ``"portable"`` (padded ``all_to_all``, every platform), ``"xla"`` (XLA's native op,
-        GPU/TPU only, exact bytes but slow on GPUs today; see the README's numbers), ``"nccl"``
+        GPU/TPU only, exact bytes but slow on GPUs today; see docs/performance.md), ``"nccl"``
         (the compiled engine, GPUs) or ``"mpi"`` (the compiled engine over MPI, CPU, one device
         per process under ``mpirun``).
 

@@ -3,7 +3,7 @@
 # then runs what was asked.
 #   scripts/run.sh demo    # the MoE transformer example on 8 virtual CPU devices
 #   scripts/run.sh test    # the suite's covering sets on 8 devices, then the multiprocess tests
-#                          # under mpirun (README: about N minutes on 2 cores)
+#                          # under mpirun (docs/testing.md: its phases and budgets)
 #   scripts/run.sh test-full  # the same phases with the exhaustive matrices (not in CI)
 #   scripts/run.sh bench   # the dispatch/combine benchmark on 8 virtual CPU devices
 #   scripts/run.sh setup   # only the test set-up (.venv, OpenMPI), as `test` makes it
