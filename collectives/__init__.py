@@ -22,6 +22,8 @@ from typing import Callable, Mapping
 from collectives import bootstrap, native, portable, xla
 from collectives.bootstrap import finalize  # noqa: F401  (public: collectives.finalize)
 
+__all__ = ["BACKENDS", "available", "finalize", "resolve"]
+
 BACKENDS = ("auto", "portable", "xla", "mpi", "nccl")
 
 _TRANSPORTS: Mapping[str, Callable] = {

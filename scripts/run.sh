@@ -6,6 +6,7 @@
 #                          # under mpirun (docs/testing.md: its phases and budgets)
 #   scripts/run.sh test-full  # the same phases with the exhaustive matrices (not in CI)
 #   scripts/run.sh bench   # the dispatch/combine benchmark on 8 virtual CPU devices
+#   scripts/run.sh docs    # the guide and the API reference (Sphinx) into docs/_build/html
 #   scripts/run.sh setup   # only the test set-up (.venv, OpenMPI), as `test` makes it
 # Environment: PYTHON (default python3), EP_COMM_VENV (default .venv), EP_COMM_TEST_SEED.
 set -euo pipefail
@@ -48,17 +49,23 @@ case "$what" in
     setup examples
     exec "$VENV/bin/python" examples/moe_transformer.py "$@"
     ;;
+  docs)
+    setup docs
+    # warnings are errors: a broken cross-reference, a public name without a docstring
+    "$VENV/bin/python" -m sphinx -b html -q -W --keep-going docs docs/_build/html "$@"
+    echo "== docs/_build/html/index.html"
+    ;;
   bench)
     setup examples
     exec "$VENV/bin/python" -m ep_comm.bench "$@"
     ;;
   setup)
     need_mpi
-    setup test,examples
+    setup test,examples,docs
     ;;
   test|test-full)
     need_mpi
-    setup test,examples
+    setup test,examples,docs
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
     # One seed for every phase and worker (printed; EP_COMM_TEST_SEED=... replays the run).
     export EP_COMM_TEST_SEED="${EP_COMM_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
@@ -87,6 +94,9 @@ case "$what" in
       # 5: the arguments selected no test of this phase (e.g. -k naming a single-process test)
       [ "$rc" = 0 ] || [ "$rc" = 5 ] || { echo "FAILED: $name"; exit 1; }
     }
+    # The docs site (warnings as errors; its examples and links run in tests/test_docs.py).
+    phase "docs (Sphinx, warnings as errors)" 30 \
+      "$VENV/bin/python" -m sphinx -b html -q -W --keep-going docs docs/_build/html
     # The whole suite once, on 8 CPU devices, in 2 pytest-xdist workers (a process compiles on
     # one core; --dist loadfile keeps a file's tests, which share compiled programs, together).
     XLA_FLAGS="$XLA_FLAGS $CPU_XLA" \
@@ -128,5 +138,5 @@ case "$what" in
     printf '%s\n' "${summary[@]}"
     ;;
   *)
-    echo "usage: scripts/run.sh {demo|test|test-full|bench|setup} [args...]" >&2; exit 2 ;;
+    echo "usage: scripts/run.sh {demo|test|test-full|bench|docs|setup} [args...]" >&2; exit 2 ;;
 esac
