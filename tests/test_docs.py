@@ -1,8 +1,9 @@
 """The documentation's examples run and its links resolve.
 
 Every ```python block right after a ``<!-- example -->`` line in README.md or docs/*.md runs as
-it stands (on this run's devices: 8 CPU devices in the test command), and every relative link
-between those pages names a file that exists and, with ``#anchor``, a heading in it.
+it stands (on this run's devices: 8 CPU devices in the test command), every relative link
+between those pages names a file that exists and, with ``#anchor``, a heading in it, and the
+performance page's plots are drawn from the committed benchmark JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +33,20 @@ def anchors(page: pathlib.Path) -> set[str]:
 @pytest.mark.parametrize("code", examples())
 def test_example_runs(code):
     exec(compile(code, "<docs example>", "exec"), {"__name__": "docs_example"})
+
+
+def test_plots_are_drawn_from_the_committed_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_plots", ROOT / "scripts" / "docs_plots.py")
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    written = plots.main(str(tmp_path))
+    assert [pathlib.Path(p).name for p in written] == list(plots.PLOTS)
+    for p in written:  # and the committed ones the pages show exist
+        assert pathlib.Path(p).stat().st_size > 10_000
+        assert (ROOT / "docs" / "plots" / pathlib.Path(p).name).exists()
 
 
 def test_there_are_examples():

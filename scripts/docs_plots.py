@@ -1,0 +1,119 @@
+"""The performance page's plots, from the benchmark JSON committed under docs/bench/.
+
+    python3 scripts/docs_plots.py [OUT_DIR]      # default docs/plots (matplotlib needed)
+
+- ``dispatch_combine.png``: dispatch and combine wall time per call at T=128 and T=4096 tokens
+  per rank against a device copy of the same bytes timed in the same run (one H200,
+  ``docs/bench/h200x1_fused/run8_bench_T128.json``, ``run9_bench_T4096.json``);
+- ``layer_vs_dense.png``: ``moe_layer`` forward and forward+backward against dense einsums of
+  the same FLOPs in the same run (``docs/bench/h200x1_layer/layer.json``);
+- ``overlap_chunks.png``: the layer forward over the experts alone, by chunk count and kind,
+  and the share of the exchange kernels' time that ran under an expert GEMM
+  (``docs/bench/h200x1_overlap/fourth_26d2ccf_overlap_shared2048_blocks4.json``).
+
+The scale model's curve is ``docs/bench/scale_model/efficiency.png`` (``python -m topology.scale
+--png``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+BENCH = os.path.join(ROOT, "docs", "bench")
+
+
+def _report(*path):
+    with open(os.path.join(BENCH, *path)) as f:
+        d = json.load(f)
+    return d[0] if isinstance(d, list) else d
+
+
+def dispatch_combine(ax):
+    sizes = [("T=128", "run8_bench_T128.json"), ("T=4096", "run9_bench_T4096.json")]
+    bars = {"dispatch": [], "combine": [], "copy of the bytes": []}
+    for _, name in sizes:
+        rows = {r["phase"]: r for r in _report("h200x1_fused", name)["results"]
+                if r.get("impl") == "ep_comm/nccl"}
+        bars["dispatch"].append(rows["dispatch"]["time_us"])
+        bars["combine"].append(rows["combine"]["time_us"])
+        bars["copy of the bytes"].append(rows["dispatch"]["copy_us"])
+    width = 0.27
+    for i, (label, values) in enumerate(bars.items()):
+        xs = [j + (i - 1) * width for j in range(len(sizes))]
+        ax.bar(xs, values, width, label=label)
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(sizes)), [s for s, _ in sizes])
+    ax.set_ylabel("wall time per call (us)")
+    ax.set_title("dispatch / combine, one H200 (H=7168, top-8 of 256, bf16)", fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def layer_vs_dense(ax):
+    rows = _report("h200x1_layer", "layer.json")["results"]
+    by = {(r["impl"], r["pass_"]): r["time_us"] / 1e3 for r in rows}
+    passes = ["forward", "fwd+bwd"]
+    dense = [by[("dense einsum (ceiling)", p)] for p in passes]
+    layer = [by[("moe_layer grouped_matmul=auto (tokamax)", p)] for p in passes]
+    width = 0.38
+    for i, (label, values) in enumerate((("dense einsums, same FLOPs", dense),
+                                         ("moe_layer (tokamax GEMMs)", layer))):
+        xs = [j + (i - 0.5) * width for j in range(len(passes))]
+        ax.bar(xs, values, width, label=label)
+        for x, v, d in zip(xs, values, dense):
+            ax.annotate(f"{v:.1f} ms ({v / d:.2f}x)", (x, v), ha="center", va="bottom",
+                        fontsize=7)
+    ax.set_xticks(range(len(passes)), passes)
+    ax.set_ylabel("time (ms)")
+    ax.set_title("MoE layer vs dense, one H200 (DeepSeek-V3 EP8 rank)", fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def overlap_chunks(ax):
+    rows = [r for r in _report("h200x1_overlap", "fourth_26d2ccf_overlap_shared2048_blocks4.json")[
+        "results"] if "num_chunks" in r]
+    labels = [r["chunks"] for r in rows]
+    ax.bar(range(len(rows)), [r["x_experts"] for r in rows], 0.6,
+           label="layer forward / experts alone")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("x the experts alone")
+    ax.set_xlabel("chunks (of tokens unless named)")
+    twin = ax.twinx()
+    twin.plot(range(len(rows)), [100 * r["overlapped_fraction"] for r in rows], "o-",
+              color="tab:red", label="exchange under a GEMM (%)")
+    twin.set_ylim(0, 100)
+    twin.set_ylabel("exchange kernels under a GEMM (%)")
+    ax.set_title("overlap by chunk count, one H200 (4-block self copy for a link)", fontsize=9)
+    lines = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8, loc="upper left")
+
+
+PLOTS = {"dispatch_combine.png": dispatch_combine, "layer_vs_dense.png": layer_vs_dense,
+         "overlap_chunks.png": overlap_chunks}
+
+
+def main(out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for name, draw in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 3.8))
+        draw(ax)
+        fig.tight_layout()
+        path = os.path.join(out, name)
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for p in main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "docs", "plots")):
+        print(p)
