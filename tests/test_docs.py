@@ -2,8 +2,10 @@
 
 Every ```python block right after a ``<!-- example -->`` line in README.md or docs/*.md runs as
 it stands (on this run's devices: 8 CPU devices in the test command), every relative link
-between those pages names a file that exists and, with ``#anchor``, a heading in it, and the
-performance page's plots are drawn from the committed benchmark JSON.
+between those pages names a file that exists and, with ``#anchor``, a heading in it, every
+``ep_comm.*`` / ``collectives.*`` / ``topology.*`` name they quote exists, and the performance
+page's plots are drawn from the committed benchmark JSON. (The Sphinx build, warnings as errors,
+checks the site's cross-references and that every public name has a docstring.)
 """
 
 from __future__ import annotations
@@ -66,3 +68,32 @@ def test_relative_links_resolve(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             bad.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert not bad, "\n".join(bad)
+
+
+_NAME = re.compile(r"`((?:ep_comm|collectives|topology)(?:\.[A-Za-z_]\w*)+)")
+
+
+def _resolves(dotted: str) -> bool:
+    """``pkg.mod.attr...`` names an importable module and attributes of it."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_api_exists(page):
+    """Every ``ep_comm.x`` / ``collectives.x`` / ``topology.x`` a page names in backticks exists
+    (a renamed or removed function leaves no stale name behind)."""
+    stale = sorted({m for m in _NAME.findall(page.read_text()) if not _resolves(m)})
+    assert not stale, f"{page.relative_to(ROOT)} names what does not exist: {stale}"
