@@ -7,13 +7,16 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
 
 project = "ep_comm"
 author = "ep_comm developers"
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+# doccheck (docs/_ext): a public name without a docstring, or a page quoting an API name that
+# does not exist, is a warning, an error under -W
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "doccheck"]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "bench/**"]
+exclude_patterns = ["_build", "_ext", "bench/**"]
 myst_heading_anchors = 3  # "page.md#a-heading" links, as GitHub renders them
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # signatures carry them; docstrings say shapes and dtypes
@@ -23,14 +26,3 @@ napoleon_use_ivar = True  # "Attributes:" as fields of the class, not entries be
 html_theme = "alabaster"
 html_title = "ep_comm"
 
-
-def _require_docstrings(app, what, name, obj, options, lines):
-    """A public module-level function or class with no docstring is a warning (an error under
-    ``-W``): the reference must say what every public name takes and returns."""
-    if what in ("function", "class", "exception") and not any(line.strip() for line in lines):
-        from sphinx.util import logging
-        logging.getLogger(__name__).warning(f"{name}: public {what} without a docstring")
-
-
-def setup(app):
-    app.connect("autodoc-process-docstring", _require_docstrings)
