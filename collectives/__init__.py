@@ -69,8 +69,9 @@ def resolve(backend: str, platform: str | None = None, *, caller: str = "ragged_
 
     ``"auto"`` picks ``"nccl"`` on GPUs where the engine is built, else ``"portable"`` (XLA's
     native ragged all-to-all is 28x slower than the portable transport on an H200, see
-    docs/performance.md; ``"mpi"`` is opt-in: it needs one device per process under ``mpirun``). An explicitly
-    requested transport that cannot run raises ``ValueError`` with the reason.
+    docs/performance.md; ``"mpi"`` is opt-in: it needs one device per process under
+    ``mpirun``). An explicitly requested transport that cannot run raises ``ValueError`` with the
+    reason.
     """
     if backend not in BACKENDS:
         raise ValueError(f"{caller}: backend must be one of {BACKENDS}, got {backend!r}")

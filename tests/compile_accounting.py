@@ -27,19 +27,18 @@ def _row():
     return {"tests": 0, "programs": 0, "compile_s": 0.0, "trace_lower_s": 0.0, "wall_s": 0.0}
 
 
-_ACCOUNT = collections.defaultdict(_row)  # per test file
-_PER_TEST = collections.defaultdict(_row)  # per test id
-_NOW = {"file": "(collection)", "test": "(collection)"}
+_PER_TEST = collections.defaultdict(_row)  # per test id; per file is their sum
+_NOW = {"test": "(collection)"}
 _SLOWEST = int(os.environ.get("EP_COMM_TEST_SLOWEST", "15"))
 
 
 def _on_duration(event, duration, **_):
-    for row in (_ACCOUNT[_NOW["file"]], _PER_TEST[_NOW["test"]]):
-        if event == _COMPILE_EVENT:
-            row["programs"] += 1
-            row["compile_s"] += duration
-        elif event in _LOWER_EVENTS:
-            row["trace_lower_s"] += duration
+    row = _PER_TEST[_NOW["test"]]
+    if event == _COMPILE_EVENT:
+        row["programs"] += 1
+        row["compile_s"] += duration
+    elif event in _LOWER_EVENTS:
+        row["trace_lower_s"] += duration
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -47,34 +46,36 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _NOW["file"], _NOW["test"] = item.nodeid.split("::")[0], item.nodeid
+    _NOW["test"] = item.nodeid
     t0 = time.perf_counter()
     yield
-    for row in (_ACCOUNT[_NOW["file"]], _PER_TEST[_NOW["test"]]):
-        row["tests"] += 1
-        row["wall_s"] += time.perf_counter() - t0
-    _NOW["file"] = _NOW["test"] = "(between tests)"
+    row = _PER_TEST[item.nodeid]
+    row["tests"] += 1
+    row["wall_s"] += time.perf_counter() - t0
+    _NOW["test"] = "(between tests)"
 
 
 def pytest_sessionfinish(session):
     if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: hand the counts over
-        session.config.workeroutput["ep_comm_account"] = json.dumps(
-            {"files": _ACCOUNT, "tests": _PER_TEST})
+        session.config.workeroutput["ep_comm_account"] = json.dumps(_PER_TEST)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):  # the pytest-xdist controller: add up its workers'
     got = json.loads(getattr(node, "workeroutput", {}).get("ep_comm_account", "{}"))
-    for mine, theirs in ((_ACCOUNT, got.get("files", {})), (_PER_TEST, got.get("tests", {}))):
-        for name, row in theirs.items():
-            for k, v in row.items():
-                mine[name][k] += v
+    for name, row in got.items():
+        for k, v in row.items():
+            _PER_TEST[name][k] += v
 
 
 def pytest_terminal_summary(terminalreporter):
-    if jax.process_index() != 0 or not _ACCOUNT:
+    if jax.process_index() != 0 or not _PER_TEST:
         return
-    rows = sorted(_ACCOUNT.items(), key=lambda kv: -kv[1]["wall_s"])
+    files = collections.defaultdict(_row)
+    for name, r in _PER_TEST.items():
+        for k, v in r.items():
+            files[name.split("::")[0]][k] += v
+    rows = sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])
     tr = terminalreporter
     tr.section("time per test file (XLA compiles: programs and seconds)")
     tr.write_line(f"{'file':<36} {'tests':>6} {'wall s':>8} {'programs':>9} {'compile s':>10} "
@@ -96,5 +97,4 @@ def pytest_terminal_summary(terminalreporter):
         with open(path, "w") as f:
             json.dump({"full": os.environ.get("EP_COMM_TEST_FULL", "0"),
                        "devices": jax.device_count(), "processes": jax.process_count(),
-                       "files": dict(rows),
-                       "tests": dict(_PER_TEST)}, f, indent=1)
+                       "files": dict(rows), "tests": dict(_PER_TEST)}, f, indent=1)

@@ -22,8 +22,20 @@ _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def examples():
-    return [pytest.param(m.group(1), id=f"{p.relative_to(ROOT)}:{p.read_text()[:m.start()].count(chr(10)) + 1}")
-            for p in PAGES for m in _EXAMPLE.finditer(p.read_text())]
+    """Each example's code, with ``page:line`` as its test id."""
+    return [pytest.param(m.group(1),
+                         id=f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}")
+            for p in PAGES for text in [p.read_text()] for m in _EXAMPLE.finditer(text)]
+
+
+def _load(relpath: str):
+    """A module of the repository that is not on the import path (a script, a Sphinx extension)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(pathlib.Path(relpath).stem, ROOT / relpath)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def anchors(page: pathlib.Path) -> set[str]:
@@ -39,11 +51,7 @@ def test_example_runs(code):
 
 def test_plots_are_drawn_from_the_committed_json(tmp_path):
     pytest.importorskip("matplotlib")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("docs_plots", ROOT / "scripts" / "docs_plots.py")
-    plots = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plots)
+    plots = _load("scripts/docs_plots.py")
     written = plots.main(str(tmp_path))
     assert [pathlib.Path(p).name for p in written] == list(plots.PLOTS)
     for p in written:  # and the committed ones the pages show exist
@@ -76,10 +84,5 @@ def test_named_api_exists(page):
     """Every ``ep_comm.x`` / ``collectives.x`` / ``topology.x`` a page names in backticks exists
     (the docs build checks the guide's pages the same way; README.md is not one of them)."""
     pytest.importorskip("sphinx", reason="the check lives in the docs' Sphinx extension")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("doccheck", ROOT / "docs" / "_ext" / "doccheck.py")
-    doccheck = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(doccheck)
-    stale = doccheck.stale_names(page.read_text())
+    stale = _load("docs/_ext/doccheck.py").stale_names(page.read_text())
     assert not stale, f"{page.relative_to(ROOT)} names what does not exist: {stale}"
