@@ -53,7 +53,8 @@ from jax.interpreters import ad, batching, mlir
 from collectives import bootstrap
 from topology.jax_compat import match_vma
 
-_forced_xla = 0
+LOWERINGS = ("cuda", "xla", "reference")
+_forced: list[str] = []  # the lowering the innermost xla_only() / reference_only() block asks for
 
 
 def available() -> str | None:
@@ -62,18 +63,36 @@ def available() -> str | None:
 
 
 @contextlib.contextmanager
-def xla_only():
-    """Trace with the XLA lowering on every platform inside this block."""
-    global _forced_xla
-    _forced_xla += 1
+def _forcing(lowering: str):
+    _forced.append(lowering)
     try:
         yield
     finally:
-        _forced_xla -= 1
+        _forced.pop()
 
 
-def _want_kernels() -> bool:
-    return not _forced_xla and os.environ.get("EP_COMM_ROW_KERNELS", "1") != "0"
+def xla_only():
+    """Trace with the fast XLA lowerings on every platform inside this block (no CUDA kernels):
+    the production path off CUDA, for A/B comparisons on GPUs."""
+    return _forcing("xla")
+
+
+def reference_only():
+    """Trace with the XLA *reference* lowerings inside this block: the definitions the CUDA
+    kernels and the fast XLA lowerings are tested against (per-element scatters, poisoned rows;
+    written to be checked, not to be fast)."""
+    return _forcing("reference")
+
+
+def _lowering() -> str:
+    """The lowering a primitive bound now asks for (one of :data:`LOWERINGS`):
+    ``EP_COMM_ROW_KERNELS=0`` (read when a program is traced) means ``"xla"``,
+    ``EP_COMM_ROW_KERNELS=reference`` ``"reference"``; ``"cuda"`` falls back to ``"xla"`` where
+    no kernel is built or fits."""
+    if _forced:
+        return _forced[-1]
+    env = os.environ.get("EP_COMM_ROW_KERNELS", "1")
+    return {"0": "xla", "reference": "reference"}.get(env, "cuda")
 
 
 def _same_vma(*xs):
@@ -107,26 +126,37 @@ def _poison(dtype):
 
 
 def _primitive(name, reference, abstract, static, ffi_attrs=lambda **params: {},
-               kernel_fits=lambda ctx, **params: True, multiple_results=False):
-    """The primitive ``name`` (also its FFI target's name): lowered to ``reference`` (an XLA
-    function of the operands and every parameter) everywhere, and to the CUDA kernel on GPUs when
-    its ``kernel`` parameter asks for it, ``kernel_fits`` and the kernels are built here (with the
-    attributes ``ffi_attrs(**params)``). Outside ``jit`` it runs jitted (``static``: its
-    parameters), so eager calls take the same lowering; batching goes through ``reference``."""
+               kernel_fits=lambda ctx, **params: True, multiple_results=False, fast=None,
+               ffi_operands=None):
+    """The primitive ``name`` (also its FFI target's name). Its ``kernel`` parameter (one of
+    :data:`LOWERINGS`, :func:`_lowering` at bind time) picks the lowering: ``"reference"``:
+    ``reference`` (an XLA function of the operands and every parameter); ``"xla"``: ``fast``
+    (the same function written for speed on TPUs and CPUs: sorts and whole-row gathers, no scatter
+    of rows; equal to ``reference``, bitwise for moves) or ``reference`` when there is none;
+    ``"cuda"``: on GPUs the CUDA kernel when ``kernel_fits`` and the kernels are built here (with
+    the attributes ``ffi_attrs(**params)``), else as ``"xla"``. Outside ``jit`` it runs jitted
+    (``static``: its parameters), so eager calls take the same lowering; batching goes through the
+    XLA function the parameter picks. ``ffi_operands``: how many of the leading operands the
+    kernel takes (default all; the others only serve the XLA lowerings)."""
     p = Primitive(name)
     p.multiple_results = multiple_results
 
+    def chosen(params):
+        return reference if fast is None or params["kernel"] == "reference" else fast
+
     def xla(ctx, *args, **params):
-        return mlir.lower_fun(functools.partial(reference, **params),
+        return mlir.lower_fun(functools.partial(chosen(params), **params),
                               multiple_results=multiple_results)(ctx, *args)
 
     def cuda(ctx, *args, **params):
-        if params["kernel"] and kernel_fits(ctx, **params) and _registered():
-            return jax.ffi.ffi_lowering(name)(ctx, *args, **ffi_attrs(**params))
+        if params["kernel"] == "cuda" and kernel_fits(ctx, **params) and _registered():
+            used = len(args) if ffi_operands is None else ffi_operands
+            return jax.ffi.ffi_lowering(name)(ctx.replace(avals_in=ctx.avals_in[:used]),
+                                              *args[:used], **ffi_attrs(**params))
         return xla(ctx, *args, **params)
 
     def batch(args, dims, **params):
-        out = jax.vmap(functools.partial(reference, **params), in_axes=dims)(*args)
+        out = jax.vmap(functools.partial(chosen(params), **params), in_axes=dims)(*args)
         return out, ([0] * len(out) if multiple_results else 0)
 
     p.def_impl(functools.partial(jax.jit, static_argnames=static)(
@@ -149,7 +179,7 @@ def gather(table, idx):
         raise ValueError(f"row_kernels.gather: table must have a row axis and idx be 1-D, got "
                          f"table {tuple(table.shape)} and idx {tuple(idx.shape)}")
     table, idx = _same_vma(table, idx)
-    return gather_p.bind(table, idx, kernel=_want_kernels())
+    return gather_p.bind(table, idx, kernel=_lowering())
 
 
 def _gather_reference(table, idx, kernel=None):
@@ -161,6 +191,12 @@ def _gather_reference(table, idx, kernel=None):
     bcast = lambda a: a.reshape(a.shape + (1,) * (table.ndim - 1))  # noqa: E731
     other = jnp.where(bcast(idx < 0), jnp.zeros((), table.dtype), _poison(table.dtype))
     return jnp.where(bcast(ok), rows, other)
+
+
+def _gather_fast(table, idx, kernel=None):
+    del kernel
+    n = table.shape[0]
+    return _take_rows(table, jnp.where(idx < 0, n, jnp.where(idx >= n, n + 1, idx)))
 
 
 def _gather_abstract(table, idx, *, kernel):
@@ -186,20 +222,25 @@ def _gather_transpose(ct, table, idx, *, kernel):
     return [d.astype(aval.dtype), None]
 
 
-gather_p = _primitive("ep_comm_rows_gather", _gather_reference, _gather_abstract, ("kernel",))
+gather_p = _primitive("ep_comm_rows_gather", _gather_reference, _gather_abstract, ("kernel",),
+                      fast=_gather_fast)
 ad.primitive_jvps[gather_p] = _gather_jvp
 ad.primitive_transposes[gather_p] = _gather_transpose
 
 
 # --- scatter --------------------------------------------------------------------------------------
 
-def scatter(table, pos, fill, rows: int, columns=None):
+def scatter(table, pos, fill, rows: int, columns=None, sources=None):
     """``(rows, ...)``: row ``pos[n, k]`` is ``table[n]`` (entries outside ``[0, rows)`` skipped),
     row ``fill[f]`` is zero (the same), every other row unspecified. A row must be the target of
     at most one entry of ``pos`` and not also be filled.
     ``table``: ``(N, ...)``; ``pos``: ``(N, K)`` integer; ``fill``: ``(F,)`` integer;
     ``columns``: ``(start, stop)``, a 2-D table's columns to move (``table[n, start:stop]``; the
-    kernel, for byte tables, reads only those bytes), or None for whole rows.
+    kernel, for byte tables, reads only those bytes), or None for whole rows;
+    ``sources``: ``(rows,)`` integer, the inverse map when the caller knows it: the table row of
+    each output row (``>= 0``), ``-1`` where it is filled, ``< -1`` where it is unspecified. It
+    must agree with ``pos`` and ``fill``; the fast XLA lowering then gathers rows by it (no scatter
+    at all: dispatch's layout has it from its sort), the CUDA kernel and the reference ignore it.
 
     Each table row is read once and written to its destinations: dispatch's expand of a received
     token into its expert rows moves exactly the compulsory bytes. Linear in the table; its
@@ -220,17 +261,25 @@ def scatter(table, pos, fill, rows: int, columns=None):
                              f"<= stop <= the columns of a 2-D table, got {tuple(columns)} for "
                              f"table {tuple(table.shape)}")
         columns = (start, stop)
-    table, pos, fill = _same_vma(table, pos, fill)
-    return scatter_p.bind(table, pos, fill, rows=int(rows), columns=columns,
-                          kernel=_want_kernels())
+    if sources is None:
+        sources = jnp.zeros((0,), jnp.int32)  # unknown: the fast lowering finds it
+    else:
+        sources = jnp.asarray(sources)
+        if sources.shape != (int(rows),) or not jnp.issubdtype(sources.dtype, jnp.integer):
+            raise ValueError(f"row_kernels.scatter: sources must be an integer array of shape "
+                             f"(rows,) = ({int(rows)},), got {sources.dtype} "
+                             f"{tuple(sources.shape)}")
+    table, pos, fill, sources = _same_vma(table, pos, fill, sources.astype(jnp.int32))
+    return scatter_p.bind(table, pos, fill, sources, rows=int(rows), columns=columns,
+                          kernel=_lowering())
 
 
 def _columns(table, columns):
     return table if columns is None else table[:, columns[0]:columns[1]]
 
 
-def _scatter_reference(table, pos, fill, *, rows, columns=None, kernel=None):
-    del kernel
+def _scatter_reference(table, pos, fill, sources=None, *, rows, columns=None, kernel=None):
+    del kernel, sources
     table = _columns(table, columns)
     N, K = pos.shape
     out = jnp.full((rows, *table.shape[1:]), _poison(table.dtype))
@@ -240,39 +289,78 @@ def _scatter_reference(table, pos, fill, *, rows, columns=None, kernel=None):
     return out.at[inside(fill)].set(jnp.zeros((), table.dtype), mode="drop")
 
 
+def _scatter_sources(pos, fill, rows: int):
+    """``(rows,)`` int32: the table row each output row of a :func:`scatter` takes (``>= 0``),
+    ``-1`` for a filled (zero) row, ``-2`` for an unspecified one; a scatter of ``N * K + F``
+    scalars (the same precedence as the reference: fill last)."""
+    N, K = pos.shape
+    inside = lambda i: jnp.where((i >= 0) & (i < rows), i, rows)  # noqa: E731  (rows: dropped)
+    src = jnp.full((rows,), -2, jnp.int32)
+    src = src.at[inside(pos.reshape(-1))].set(
+        jnp.repeat(jnp.arange(N, dtype=jnp.int32), K), mode="drop")
+    return src.at[inside(fill)].set(-1, mode="drop")
+
+
+def _take_rows(table, at):
+    """Rows of ``table`` extended by a zero row (``at == N``) and a poison row (``at == N + 1``):
+    one gather in clip mode, nothing else over the output (a select over ``(M, H)`` costs as much
+    as the gather on TPUs); the table is copied once instead, which is at most as large."""
+    tail = jnp.stack([jnp.zeros(table.shape[1:], table.dtype),
+                      jnp.full(table.shape[1:], _poison(table.dtype))])
+    return jnp.take(jnp.concatenate([table, tail]), at, axis=0, mode="clip")
+
+
+def _rows_from(table, src):
+    """``table[src]`` where ``src >= 0``, zero where ``src == -1``, poison where ``src < -1``."""
+    n = table.shape[0]
+    return _take_rows(table, jnp.where(src >= 0, jnp.minimum(src, n + 1),
+                                       jnp.where(src == -1, n, n + 1)))
+
+
+def _scatter_fast(table, pos, fill, sources=None, *, rows, columns=None, kernel=None):
+    # one gather of whole rows by the inverse map: the caller's, else a scatter of scalars (no
+    # scatter of rows either way)
+    del kernel
+    if sources is None or sources.shape[0] != rows:
+        sources = _scatter_sources(pos, fill, rows)
+    return _rows_from(_columns(table, columns), sources)
+
+
 def _scatter_jvp(primals, tangents, **params):
-    table, pos, fill = primals
-    out = scatter_p.bind(table, pos, fill, **params)
+    table, pos, fill, sources = primals
+    out = scatter_p.bind(table, pos, fill, sources, **params)
     t = tangents[0]
     if type(t) is ad.Zero:
         return out, _zero_tangent(out)
-    return out, scatter_p.bind(ad.instantiate_zeros(t), pos, fill, **params)
+    return out, scatter_p.bind(ad.instantiate_zeros(t), pos, fill, sources, **params)
 
 
-def _scatter_transpose(ct, table, pos, fill, *, rows, columns, kernel):
+def _scatter_transpose(ct, table, pos, fill, sources, *, rows, columns, kernel):
     aval = table.aval
     if type(ct) is ad.Zero:
-        return [ad.Zero(aval), None, None]
+        return [ad.Zero(aval), None, None, None]
     # d table[n] = sum_k d out[pos[n, k]]: a gather (each target row belongs to one n)
     flat, pos, ones = _same_vma(ct.reshape(ct.shape[0], -1), pos,
                                 jnp.ones(pos.shape, jnp.float32))
     d = gather_sum_p.bind(flat, pos, ones, out_dtype=aval.dtype, kernel=kernel)
     if columns is None:
-        return [d.reshape(aval.shape), None, None]
-    return [jnp.zeros(aval.shape, aval.dtype).at[:, columns[0]:columns[1]].set(d), None, None]
+        return [d.reshape(aval.shape), None, None, None]
+    return [jnp.zeros(aval.shape, aval.dtype).at[:, columns[0]:columns[1]].set(d), None, None,
+            None]
 
 
-def _scatter_abstract(table, pos, fill, *, rows, columns, kernel):
+def _scatter_abstract(table, pos, fill, sources, *, rows, columns, kernel):
     shape = table.shape[1:] if columns is None else (columns[1] - columns[0],)
     return table.update(shape=(rows, *shape), weak_type=False)
 
 
 scatter_p = _primitive("ep_comm_rows_scatter", _scatter_reference, _scatter_abstract,
-                       ("rows", "columns", "kernel"),
+                       ("rows", "columns", "kernel"), fast=_scatter_fast,
                        ffi_attrs=lambda *, columns, **_: dict(offset=np.int64(
                            0 if columns is None else columns[0])),
                        kernel_fits=lambda ctx, *, columns, **_: columns is None
-                       or ctx.avals_in[0].dtype.itemsize == 1)
+                       or ctx.avals_in[0].dtype.itemsize == 1,
+                       ffi_operands=3)  # (the kernel scatters: it takes no sources)
 ad.primitive_jvps[scatter_p] = _scatter_jvp
 ad.primitive_transposes[scatter_p] = _scatter_transpose
 
@@ -316,7 +404,7 @@ def key_counts(key, num_keys: int):
     """``(ceil(M / RANK_CHUNK), num_keys)`` int32: entries of each chunk of ``key`` ``(M,)`` with
     each key (a key outside ``[0, num_keys)`` counts as ``num_keys - 1``)."""
     key = jnp.asarray(key).astype(jnp.int32)
-    return key_count_p.bind(key, num_keys=int(num_keys), kernel=_want_kernels())
+    return key_count_p.bind(key, num_keys=int(num_keys), kernel=_lowering())
 
 
 def key_ranks(key, base):
@@ -331,7 +419,7 @@ def key_ranks(key, base):
                          f"{RANK_CHUNK}), num_keys), got key {tuple(key.shape)} and base "
                          f"{tuple(base.shape)}")
     key, base = _same_vma(key, base)
-    out = key_rank_p.bind(key, base, kernel=_want_kernels())
+    out = key_rank_p.bind(key, base, kernel=_lowering())
     return out[0], out[1]
 
 
@@ -426,7 +514,7 @@ def token_routes(topk_ids, topk_weights, *, num_experts: int, num_ranks: int) ->
         raise ValueError(f"row_kernels.token_routes: num_ranks must divide num_experts, got "
                          f"num_experts={num_experts} and num_ranks={num_ranks}")
     route, dest, in_rank, first, counts, invalid = token_routes_p.bind(
-        ids, w, num_experts=E, num_ranks=n, kernel=_want_kernels())
+        ids, w, num_experts=E, num_ranks=n, kernel=_lowering())
     return TokenRoutes(route, dest, in_rank, first, counts[:n], counts[n:], invalid[0])
 
 
@@ -540,14 +628,49 @@ def expert_layout(route, num_recv, me, *, experts: int, rows: int, fill_rows: in
     route, *scalars = _same_vma(route, *scalars)
     out = expert_layout_p.bind(route, *scalars, experts=int(experts), rows=int(rows),
                                fill_rows=int(rows if zero_fill else min(fill_rows, rows)),
-                               zero_fill=bool(zero_fill), kernel=_want_kernels())
+                               zero_fill=bool(zero_fill), kernel=_lowering())
     recv_pos, targets, recv_w, expert_token, sizes, num_pairs, fill, _ = out
     return ExpertLayout(recv_pos, targets, recv_w, expert_token, sizes, num_pairs[0], fill)
 
 
 def _expert_layout_reference(route, num_recv, me, *, experts, rows, fill_rows, zero_fill,
                              kernel=None):
-    del kernel
+    def counting_sort(key, num_keys):
+        with reference_only():
+            return rank_by_key(key, num_keys)
+    return _expert_layout_xla(route, num_recv, me, experts=experts, rows=rows,
+                              fill_rows=fill_rows, zero_fill=zero_fill, sort=counting_sort)
+
+
+def _expert_layout_fast(route, num_recv, me, *, experts, rows, fill_rows, zero_fill,
+                        kernel=None):
+    return _expert_layout_xla(route, num_recv, me, experts=experts, rows=rows,
+                              fill_rows=fill_rows, zero_fill=zero_fill, sort=sort_by_key)
+
+
+def sort_by_key(key, num_keys: int):
+    """:func:`rank_by_key`'s ``(rank, order, counts)`` from one stable sort of ``(key, index)``
+    pairs (what XLA does well on TPUs and CPUs), the inverse permutation by a second sort (TPUs)
+    or a scatter of scalars (elsewhere) and the counts by a binary search of the sorted keys:
+    equal to the counting sort's."""
+    M = key.shape[0]
+    i32 = jnp.int32
+    k = jnp.where((key >= 0) & (key < num_keys), key, num_keys - 1).astype(i32)
+    i = jnp.arange(M, dtype=i32)
+    sorted_key, order = jax.lax.sort((k, i), num_keys=1, is_stable=True)
+    # the inverse permutation: on TPUs a second sort (a scatter there costs several sorts), else
+    # a scatter of scalars (cheaper than a sort on CPUs)
+    rank = jax.lax.platform_dependent(
+        order, tpu=lambda o: jax.lax.sort((o, i), num_keys=1)[1],
+        default=lambda o: jnp.zeros((M,), i32).at[o].set(i, unique_indices=True))
+    bounds = jnp.searchsorted(sorted_key, jnp.arange(num_keys + 1, dtype=i32),
+                              side="left").astype(i32)
+    return rank, order, bounds[1:] - bounds[:-1]
+
+
+def _expert_layout_xla(route, num_recv, me, *, experts, rows, fill_rows, zero_fill, sort):
+    """:func:`expert_layout` in XLA, with ``sort(key, num_keys) -> (rank, order, counts)`` the
+    stable sort by key (the reference: the counting sort; fast: :func:`sort_by_key`)."""
     L, C, i32 = experts, rows, jnp.int32
     R, K = route.shape[0], route.shape[1] // 2
     gid, here = _layout_here(route, num_recv, me, L)
@@ -557,16 +680,22 @@ def _expert_layout_reference(route, num_recv, me, *, experts, rows, fill_rows, z
     first_slot = jnp.argmax(ids[:, :, None] == ids[:, None, :], axis=2)  # (R, K)
     has = ids >= 0
     key = jnp.where(has & (first_slot == jnp.arange(K)[None, :]), ids, L).reshape(-1)
-    with xla_only():
-        rank, order, per_key = rank_by_key(key, L + 1)
+    rank, order, per_key = sort(key, L + 1)
     per_expert = per_key[:L]
     num_pairs = jnp.sum(per_expert, dtype=i32)
     group_sizes = jnp.clip(C - (jnp.cumsum(per_expert) - per_expert), 0, per_expert)
     targets = jnp.where((key < L) & (rank < C), rank, C).reshape(R, K)
-    recv_pos = jnp.where(has, jnp.take_along_axis(targets, first_slot, axis=1), C)
+    # each slot's first slot's target: a select over the K slots (no gather of scalars, which
+    # TPUs run one element at a time)
+    of_first = first_slot[:, :, None] == jnp.arange(K)[None, None, :]
+    recv_pos = jnp.where(has, jnp.sum(jnp.where(of_first, targets[:, None, :], 0), axis=2,
+                                      dtype=i32), C)
     q = jnp.arange(C, dtype=i32)
     filled = jnp.minimum(num_pairs, C)
-    expert_token = jnp.where(q < filled, order[jnp.minimum(q, R * K - 1)] // K, R)
+    # order[q] for the filled rows q < min(C, R * K): a slice, not a gather
+    head = (order[:C] if C <= R * K
+            else jnp.concatenate([order, jnp.zeros((C - R * K,), order.dtype)]))
+    expert_token = jnp.where(q < filled, head // K, R)
     fill = (jnp.where(q >= filled, q, -1) if zero_fill
             else filled + jnp.arange(fill_rows, dtype=i32))
     scratch = jnp.zeros((_layout_scratch(R * K, L),), i32)
@@ -594,6 +723,7 @@ expert_layout_p = _primitive(
     "ep_comm_rows_expert_layout", _expert_layout_reference, _expert_layout_abstract,
     ("experts", "rows", "fill_rows", "zero_fill", "kernel"),
     ffi_attrs=lambda *, zero_fill, **_: dict(zero_fill=np.int64(zero_fill)),
+    fast=_expert_layout_fast,
     kernel_fits=lambda ctx, *, experts, rows, **_: (
         experts + ctx.avals_in[0].shape[1] // 2 + LAYOUT_CHUNK <= MAX_RANK_KEYS
         and rows < 2 ** 31 and ctx.avals_in[0].shape[0] * ctx.avals_in[0].shape[1] // 2 < 2 ** 31),
@@ -646,7 +776,7 @@ def local_layout(topk_ids, topk_weights, *, num_experts: int, rows: int, fill_ro
                          f"num_experts={num_experts}, rows={rows}, fill_rows={fill_rows}")
     out = local_layout_p.bind(ids, w, num_experts=int(num_experts), rows=int(rows),
                               fill_rows=int(rows if zero_fill else min(fill_rows, rows)),
-                              zero_fill=bool(zero_fill), kernel=_want_kernels())
+                              zero_fill=bool(zero_fill), kernel=_lowering())
     route, dest, in_rank, first, counts, invalid = out[:6]
     recv_pos, targets, recv_w, expert_token, sizes, num_pairs, fill = out[6:]
     return (TokenRoutes(route, dest, in_rank, first, counts[:1], counts[1:], invalid[0]),
@@ -654,12 +784,20 @@ def local_layout(topk_ids, topk_weights, *, num_experts: int, rows: int, fill_ro
 
 
 def _local_layout_reference(ids, w, *, num_experts, rows, fill_rows, zero_fill, kernel=None):
-    del kernel
+    return _local_layout_xla(ids, w, _expert_layout_reference, num_experts=num_experts,
+                             rows=rows, fill_rows=fill_rows, zero_fill=zero_fill)
+
+
+def _local_layout_fast(ids, w, *, num_experts, rows, fill_rows, zero_fill, kernel=None):
+    return _local_layout_xla(ids, w, _expert_layout_fast, num_experts=num_experts, rows=rows,
+                             fill_rows=fill_rows, zero_fill=zero_fill)
+
+
+def _local_layout_xla(ids, w, layout, *, num_experts, rows, fill_rows, zero_fill):
     routes = _token_routes_reference(ids, w, num_experts=num_experts, num_ranks=1)
     i32 = jnp.int32
-    lay = _expert_layout_reference(routes[0], jnp.full((1,), ids.shape[0], i32),
-                                   jnp.zeros((1,), i32), experts=num_experts, rows=rows,
-                                   fill_rows=fill_rows, zero_fill=zero_fill)
+    lay = layout(routes[0], jnp.full((1,), ids.shape[0], i32), jnp.zeros((1,), i32),
+                 experts=num_experts, rows=rows, fill_rows=fill_rows, zero_fill=zero_fill)
     return routes + lay[:7]  # (not the layout kernels' scratch)
 
 
@@ -688,6 +826,7 @@ local_layout_p = _primitive(
     "ep_comm_rows_local_layout", _local_layout_reference, _local_layout_abstract,
     ("num_experts", "rows", "fill_rows", "zero_fill", "kernel"),
     ffi_attrs=lambda *, zero_fill, **_: dict(zero_fill=np.int64(zero_fill)),
+    fast=_local_layout_fast,
     kernel_fits=lambda ctx, *, num_experts, **_: local_layout_fits(
         *ctx.avals_in[0].shape, num_experts),
     multiple_results=True)
@@ -720,17 +859,19 @@ def gather_sum(table, idx, weights=None, *, out_dtype=jnp.float32):
         raise ValueError(f"row_kernels.gather_sum: weights must have idx's shape {idx.shape}, "
                          f"got {weights.shape}")
     table, idx, weights = _same_vma(table, idx, weights)
-    return gather_sum_p.bind(table, idx, weights, out_dtype=out_dtype, kernel=_want_kernels())
+    return gather_sum_p.bind(table, idx, weights, out_dtype=out_dtype, kernel=_lowering())
 
 
-def _gather_sum_reference(table, idx, weights, *, out_dtype, kernel=None):
+def _gather_sum_reference(table, idx, weights, *, out_dtype, kernel=None, mode=None):
+    # (mode="clip": the fast lowering's gathers, with no fill mask: the indices are clipped)
     del kernel
     n = table.shape[0]
     acc_dtype = jnp.promote_types(table.dtype, jnp.float32)  # float32, or float64 under x64
     acc = jnp.zeros((idx.shape[0], table.shape[1]), acc_dtype)
     for k in range(idx.shape[1]):
         ok = (idx[:, k] >= 0) & (idx[:, k] < n)
-        rows = jnp.take(table, jnp.clip(idx[:, k], 0, max(n - 1, 0)), axis=0).astype(acc_dtype)
+        rows = jnp.take(table, jnp.clip(idx[:, k], 0, max(n - 1, 0)), axis=0,
+                        mode=mode).astype(acc_dtype)
         acc = acc + jnp.where(ok[:, None], weights[:, k, None] * rows, 0.0)
     return acc.astype(out_dtype)
 
@@ -776,7 +917,7 @@ def _gather_sum_transpose(ct, table, idx, weights, *, out_dtype, kernel):
 
 gather_sum_p = _primitive(
     "ep_comm_rows_gather_sum", _gather_sum_reference, _gather_sum_abstract,
-    ("out_dtype", "kernel"),
+    ("out_dtype", "kernel"), fast=functools.partial(_gather_sum_reference, mode="clip"),
     kernel_fits=lambda ctx, *, out_dtype, kernel: all(
         d in _KERNEL_DTYPES for d in (ctx.avals_in[0].dtype, out_dtype)))
 ad.primitive_jvps[gather_sum_p] = _gather_sum_jvp
@@ -902,11 +1043,13 @@ def scatter_dequant(table, pos, fill, rows: int, *, hidden: int, block: int, mx:
     table, pos, fill = _same_vma(table, pos, fill)
     return scatter_dequant_p.bind(table, pos, fill, rows=int(rows), hidden=int(hidden),
                                   block=int(block), mx=bool(mx), dtype=np.dtype(dtype),
-                                  kernel=_want_kernels())
+                                  kernel=_lowering())
 
 
-def _scatter_dequant_reference(table, pos, fill, *, rows, hidden, block, mx, dtype, kernel=None):
-    raw = _scatter_reference(table, pos, fill, rows=rows)
+def _scatter_dequant_reference(table, pos, fill, *, rows, hidden, block, mx, dtype, kernel=None,
+                               place=_scatter_reference):
+    # (place: how rows are placed; the fast lowering passes _scatter_fast)
+    raw = place(table, pos, fill, rows=rows)
     values, scales = split_fp8_rows(raw, hidden, block, mx)
     return dequantize_blocks(values, e8m0_scales(scales) if mx else scales, block, dtype)
 
@@ -916,7 +1059,8 @@ scatter_dequant_p = _primitive(
     lambda table, pos, fill, *, rows, hidden, block, mx, dtype, kernel: table.update(
         shape=(rows, hidden), dtype=dtype, weak_type=False),
     ("rows", "hidden", "block", "mx", "dtype", "kernel"),
-    ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)))
+    ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
+    fast=functools.partial(_scatter_dequant_reference, place=_scatter_fast))
 _constant_jvp(scatter_dequant_p)
 
 
@@ -930,7 +1074,7 @@ def scatter_fake_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
     table, pos, fill = _quantizing_scatter_args("scatter_fake_quant", table, pos, fill, rows,
                                                 block)
     return scatter_fake_quant_p.bind(table, pos, fill, rows=int(rows), block=int(block),
-                                     mx=bool(mx), kernel=_want_kernels())
+                                     mx=bool(mx), kernel=_lowering())
 
 
 def _quantizing_scatter_args(api, table, pos, fill, rows, block):
@@ -950,11 +1094,12 @@ def _quantizing_scatter_args(api, table, pos, fill, rows, block):
     return _same_vma(jax.lax.stop_gradient(table), pos, fill)
 
 
-def _scatter_fake_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None):
+def _scatter_fake_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None,
+                                  place=_scatter_reference):
     # the wire's path itself: the rows as wire rows, scattered, then dequantized
     return _scatter_dequant_reference(fp8_rows(table, block, mx), pos, fill, rows=rows,
                                       hidden=table.shape[1], block=block, mx=mx,
-                                      dtype=table.dtype)
+                                      dtype=table.dtype, place=place)
 
 
 def _fake_quant_fits(ctx, *, block, **_):
@@ -972,7 +1117,8 @@ scatter_fake_quant_p = _primitive(
         shape=(rows, table.shape[1]), weak_type=False),
     ("rows", "block", "mx", "kernel"),
     ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
-    kernel_fits=_fake_quant_fits)
+    kernel_fits=_fake_quant_fits,
+    fast=functools.partial(_scatter_fake_quant_reference, place=_scatter_fast))
 
 
 _constant_jvp(scatter_fake_quant_p)
@@ -985,14 +1131,15 @@ def scatter_quant(table, pos, fill, rows: int, *, block: int, mx: bool):
     quantized in registers. Not differentiable (bytes)."""
     table, pos, fill = _quantizing_scatter_args("scatter_quant", table, pos, fill, rows, block)
     values, scales = scatter_quant_p.bind(table, pos, fill, rows=int(rows), block=int(block),
-                                          mx=bool(mx), kernel=_want_kernels())
+                                          mx=bool(mx), kernel=_lowering())
     return values, scales
 
 
-def _scatter_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None):
+def _scatter_quant_reference(table, pos, fill, *, rows, block, mx, kernel=None,
+                             place=_scatter_reference):
     H = table.shape[1]
     wire_rows = fp8_rows(table, block, mx)
-    return [_scatter_reference(wire_rows, pos, fill, rows=rows, columns=c)
+    return [place(wire_rows, pos, fill, rows=rows, columns=c)
             for c in ((0, H), (H, H + scale_bytes(H, block, mx)))]
 
 
@@ -1006,7 +1153,8 @@ scatter_quant_p = _primitive(
     "ep_comm_rows_scatter_quant", _scatter_quant_reference, _scatter_quant_abstract,
     ("rows", "block", "mx", "kernel"),
     ffi_attrs=lambda *, block, mx, **_: dict(block=np.int64(block), mx=np.int64(mx)),
-    kernel_fits=_fake_quant_fits, multiple_results=True)
+    kernel_fits=_fake_quant_fits, multiple_results=True,
+    fast=functools.partial(_scatter_quant_reference, place=_scatter_fast))
 _constant_jvp(scatter_quant_p)
 
 
@@ -1020,7 +1168,7 @@ def empty(shape, dtype):
     XLA: NaN, or all bits set for integers). Each call is a distinct buffer."""
     shape = tuple(int(d) for d in shape)
     return empty_p.bind(shape=shape, dtype=np.dtype(dtype), uid=next(_empty_ids),
-                        kernel=_want_kernels())
+                        kernel=_lowering())
 
 
 def _empty_reference(*, shape, dtype, uid=None, kernel=None):

@@ -7,7 +7,12 @@ Compares, side by side in one run and on the same routing:
   fixed ``ceil(cf * T * topk / E)`` slots per expert and source rank, a dense ``lax.all_to_all`` of
   ``(E, capacity, H)``, overflowing tokens dropped);
 - ``lax.all_to_all``: a dense all-to-all of each rank's ``T`` token rows, no routing at all (a
-  ceiling for moving that many bytes; its payload is ``T * H`` elements).
+  ceiling for moving that many bytes; its payload is ``T * H`` elements);
+- ``plain JAX``: each rank's own (token, expert) pairs permuted by an argsort and a gather,
+  unpermuted by a gather and a weighted sum, and both (:mod:`ep_comm.baselines`): no exchange,
+  the local work a user's own JAX code does at one rank. With ``--round-trip``, ep_comm's
+  dispatch then combine in one program too (``round trip``); the table ends with each ep_comm
+  phase's time over plain JAX's (pipelined where measured: ``pipe``).
 
 For each: ``time`` = median over ``--iters`` calls after ``--warmup``, each waited for; ``pipe`` =
 time per call of ``--iters`` calls issued back to back and waited for once (median of 5 such loops:
@@ -59,6 +64,7 @@ import ep_comm
 import topology
 from collectives import portable
 from collectives.timing import emit, hardware, median_us, pipelined_us, trace_kernels
+from ep_comm import baselines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +179,8 @@ def _copy_ceiling_us(nbytes: int, warmup: int, iters: int) -> float | None:
 
 def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         capacity_factors=(1.0, 1.25), backends=None, topo=None, plans=("flat",),
-        cost_model=None, wire_formats=(None,), devices=None, profile=None):
+        cost_model=None, wire_formats=(None,), devices=None, profile=None,
+        round_trip: bool = False):
     devices = devices or jax.devices()
     mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=devices)
@@ -235,6 +242,9 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                 jax.jit(lambda a: tuple(a + i for i in range(outputs))),
                 (jnp.zeros((8,), jnp.float32),), warmup, iters))
         phases = [("dispatch", disp, (xs, idss, ws)), ("combine", comb, (ex, h))]
+        if round_trip and wire_format is None:
+            phases.append(("round trip", smap(lambda x, i, w, cfg=cfg: ep_comm.combine(
+                *ep_comm.dispatch(x, i, w, cfg))), (xs, idss, ws)))
         if wire_format is not None:
             disp_q = smap(lambda x, i, w: ep_comm.dispatch(x, i, w, cfg, return_quantized=True))
             phases.append(("dispatch q", disp_q, (xs, idss, ws)))
@@ -258,6 +268,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                       buffers=cfg.buffer_bytes(H, dtype, plan, topo.num_nodes)["total"])
         for phase, fn, fargs in phases:
             i = int(phase == "combine")
+            if phase == "round trip":
+                common["wrong"] = wrong(fn(*fargs))
             t = median_us(fn, fargs, warmup, iters)
             piped = pipelined_us(fn, fargs, 1, iters)
             extra = dict(pipelined_us=piped)
@@ -284,7 +296,9 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
             results.append(dict(phase=phase, time_us=t, wire=(wire, wire_c)[i],
                                 network_bytes_max=float(sent[:, i, net].max()),
                                 network_bytes_total=float(sent[:, i, net].sum()),
-                                predicted_us=predicted[phase.split()[0]] * 1e6,
+                                predicted_us=(predicted["dispatch"] + predicted["combine"]
+                                              if phase == "round trip"
+                                              else predicted[phase.split()[0]]) * 1e6,
                                 compulsory_bytes=compulsory, **extra, **common))
     for cf in capacity_factors:
         cap = capacity_slots(cf, T, K, E)
@@ -295,6 +309,20 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                             wire=2 * E * cap * H * itemsize, wrong=wrong(y),
                             dropped=int(ep_comm.distributed.to_host(dropped).sum()),
                             buffers=2 * E * cap * H * itemsize))
+    # plain JAX at each rank: its own pairs, no exchange (payload and wire: the pairs' rows)
+    local = T * K * H * itemsize
+    perm = smap(baselines.permute)
+    x_sorted, order = perm(xs, idss)
+    for phase, fn, fargs in (
+            ("permute", perm, (xs, idss)),
+            ("unpermute", smap(baselines.unpermute), (x_sorted, order, ws)),
+            ("round trip", smap(baselines.round_trip), (xs, idss, ws))):
+        y = fn(*fargs)
+        results.append(dict(impl="plain JAX", plan="-", phase=phase,
+                            time_us=median_us(fn, fargs, warmup, iters),
+                            pipelined_us=pipelined_us(fn, fargs, 1, iters),
+                            wrong=wrong(y) if phase == "round trip" else 0, dropped=0,
+                            wire=0, buffers=local, payload=local))
     if T % n == 0:  # the ceiling: a dense all-to-all of each rank's T token rows, no routing
         fn = smap(lambda x: lax.all_to_all(x, "ep", 0, 0, tiled=True))
         t = median_us(fn, (xs,), warmup, iters)
@@ -371,6 +399,14 @@ def table(report) -> str:
                          f"{r['buffers'] / base['buffers']:.2f}x the buffers and "
                          f"{_row_ratio(report, fmt):.3f}x the bytes per token row of the "
                          f"unquantized wire")
+    plain = {r["phase"]: r for r in report["results"] if r["impl"] == "plain JAX"}
+    peer = {"dispatch": "permute", "combine": "unpermute", "round trip": "round trip"}
+    for (impl, plan, phase), r in by.items():
+        p = plain.get(peer.get(phase, ""))
+        if impl.startswith("ep_comm/") and p is not None:
+            key = "pipelined_us" if "pipelined_us" in r and "pipelined_us" in p else "time_us"
+            lines.append(f"# {impl} {plan} {phase}: {r[key] / p[key]:.2f}x plain JAX's "
+                         f"{peer[phase]} ({key}; {r['time_us'] / p['time_us']:.2f}x by time)")
     return "\n".join(lines)
 
 
@@ -403,6 +439,8 @@ def main(argv=None):
     ap.add_argument("--profile", default=None,
                     help="folder for JAX profiler traces: adds GPU kernel time per call and "
                          "wall/kernel columns")
+    ap.add_argument("--round-trip", action="store_true",
+                    help="also time ep_comm's dispatch then combine in one program")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     ep_comm.distributed.initialize(local_device_count=args.devices)
@@ -422,7 +460,8 @@ def main(argv=None):
             ap.error(f"--wire-formats: each must be none, e4m3 or mxfp8, got {f!r}")
     return emit((run(BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n,
                                  dtype, routing), args.warmup, args.iters, backends=backends,
-                     topo=topo, plans=plans, wire_formats=wires, profile=args.profile)
+                     topo=topo, plans=plans, wire_formats=wires, profile=args.profile,
+                     round_trip=args.round_trip)
                  for routing in args.routing.split(",")), table, args.json)
 
 

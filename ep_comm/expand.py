@@ -75,6 +75,14 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     # the groups: zero (config.zero_fill, or the first ZERO_TAIL_ROWS of them), else unspecified;
     # the transpose (dispatch's backward) gathers each row's expert rows
     fill = lay.fill
+    # the inverse of the placement, which the layout's sort gives: the receive-buffer row of
+    # each expert row, -1 for the zero rows, -2 past them (the XLA lowering off CUDA gathers
+    # rows by it instead of scattering them)
+    q = jnp.arange(C, dtype=jnp.int32)
+    filled = jnp.minimum(lay.num_pairs, C)
+    token = lay.expert_token if flat_to_buf is None else jnp.take(
+        flat_to_buf, jnp.minimum(lay.expert_token, R - 1))
+    sources = jnp.where(q < filled, token, jnp.where(q < filled + fill.shape[0], -1, -2))
     if cfg.wire_format is not None:
         block, mx = wire.BLOCK[cfg.wire_format], cfg.wire_format == "mxfp8"
     if round_trip:  # no wire: each row quantized in registers, written as codes and scales or
@@ -87,10 +95,11 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
                                                block=block, mx=mx, dtype=dtype)
     elif split_at is not None:  # FP8 rows kept: their values and scales bytes, apart
         end = split_at + row_kernels.scale_bytes(split_at, block, mx)
-        expert_x = tuple(row_kernels.scatter(buf_x, targets, fill, C, columns=c)
+        expert_x = tuple(row_kernels.scatter(buf_x, targets, fill, C, columns=c,
+                                             sources=sources)
                          for c in ((0, split_at), (split_at, end)))
     else:
-        expert_x = row_kernels.scatter(buf_x, targets, fill, C)
+        expert_x = row_kernels.scatter(buf_x, targets, fill, C, sources=sources)
 
     return Expanded(expert_x, lay.group_sizes, recv_pos, recv_w, lay.expert_token,
                     jnp.minimum(lay.num_pairs, C))

@@ -94,13 +94,14 @@ def link_rows(plan, legs, me) -> jax.Array:
     """``(2, len(LINK_CLASSES))`` int32 rows this rank sends per link class in dispatch (row 0)
     and combine (row 1: combine sends back what dispatch delivered)."""
     links = jnp.asarray(link_matrix(plan.topology))[me]  # (n,) class of the link to each rank
-    nc = len(LINK_CLASSES)
-    sent = [jnp.zeros((nc,), jnp.int32), jnp.zeros((nc,), jnp.int32)]
-    for leg in legs:
-        cls = links[leg.peers]
-        sent[0] = sent[0].at[cls].add(leg.send_sizes)
-        sent[1] = sent[1].at[cls].add(leg.recv_sizes)
-    return jnp.stack(sent)
+    classes = jnp.arange(len(LINK_CLASSES), dtype=jnp.int32)
+    sent = jnp.zeros((2, classes.shape[0]), jnp.int32)
+    for leg in legs:  # (a masked sum over the peers, not a scatter: scatters are slow on TPUs)
+        of_class = links[leg.peers][None, :] == classes[:, None]  # (class, peer)
+        sizes = jnp.stack([leg.send_sizes, leg.recv_sizes]).astype(jnp.int32)  # (2, peer)
+        sent = sent + jnp.sum(jnp.where(of_class[None], sizes[:, None, :], 0), axis=2,
+                              dtype=jnp.int32)
+    return sent
 
 
 def pack(in_dest, starts, rows: int):
