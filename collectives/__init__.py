@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 from collectives import bootstrap, native, portable, xla
 from collectives.bootstrap import finalize  # noqa: F401  (public: collectives.finalize)
 
-__all__ = ["BACKENDS", "available", "finalize", "resolve"]
+__all__ = ["BACKENDS", "auto_choice", "available", "finalize", "resolve"]
 
 BACKENDS = ("auto", "portable", "xla", "mpi", "nccl")
 
@@ -54,7 +54,8 @@ def _reason(name: str, platform: str) -> str | None:
 def available(platform: str | None = None) -> dict[str, str | None]:
     """Which transports run on ``platform`` (default: JAX's default backend).
 
-    Returns a dict ``{transport: None if usable else "reason it is not"}``.
+    Returns a dict ``{transport: None if usable else "reason it is not"}``;
+    :func:`auto_choice` says which of them ``backend="auto"`` takes there, and why.
     """
     if platform is None:
         import jax
@@ -63,15 +64,30 @@ def available(platform: str | None = None) -> dict[str, str | None]:
     return {name: _reason(name, platform) for name in _TRANSPORTS}
 
 
+def auto_choice(platform: str | None = None) -> tuple[str, str]:
+    """``(transport, why)``: what ``backend="auto"`` runs on ``platform`` (default: JAX's default
+    backend). GPUs: ``"nccl"`` where the engine is built (XLA's native ragged all-to-all is 28x
+    slower than even the portable transport on an H200, see docs/performance.md), else
+    ``"portable"``; TPUs: ``"xla"``, XLA's native ragged all-to-all over ICI (exact bytes, no
+    padded slots); elsewhere ``"portable"`` (XLA:CPU has no ragged all-to-all; ``"mpi"`` is
+    opt-in: it needs one device per process under ``mpirun``)."""
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    if (reason := _reason("nccl", platform)) is None:
+        return "nccl", "the compiled NCCL engine is built and this is a GPU"
+    if platform == "tpu" and _reason("xla", platform) is None:
+        return "xla", "XLA:TPU's native ragged all-to-all moves exactly the rows asked for"
+    return "portable", f"nccl: {reason}; the portable transport runs everywhere"
+
+
 def resolve(backend: str, platform: str | None = None, *, caller: str = "ragged_all_to_all"
             ) -> tuple[str, Callable]:
     """Map ``backend`` to ``(name, transport function)`` for ``platform``.
 
-    ``"auto"`` picks ``"nccl"`` on GPUs where the engine is built, else ``"portable"`` (XLA's
-    native ragged all-to-all is 28x slower than the portable transport on an H200, see
-    docs/performance.md; ``"mpi"`` is opt-in: it needs one device per process under
-    ``mpirun``). An explicitly requested transport that cannot run raises ``ValueError`` with the
-    reason.
+    ``"auto"`` takes :func:`auto_choice`'s transport. An explicitly requested transport that
+    cannot run raises ``ValueError`` with the reason (naming the platform).
     """
     if backend not in BACKENDS:
         raise ValueError(f"{caller}: backend must be one of {BACKENDS}, got {backend!r}")
@@ -80,7 +96,7 @@ def resolve(backend: str, platform: str | None = None, *, caller: str = "ragged_
 
         platform = jax.default_backend()
     if backend == "auto":
-        backend = "nccl" if _reason("nccl", platform) is None else "portable"
+        backend = auto_choice(platform)[0]
     elif (reason := _reason(backend, platform)) is not None:
         raise ValueError(f"{caller}: backend={backend!r} is not available here: {reason}; "
                          f"use backend='portable' or 'auto'")

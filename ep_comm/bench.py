@@ -180,7 +180,7 @@ def _copy_ceiling_us(nbytes: int, warmup: int, iters: int) -> float | None:
 def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         capacity_factors=(1.0, 1.25), backends=None, topo=None, plans=("flat",),
         cost_model=None, wire_formats=(None,), devices=None, profile=None,
-        round_trip: bool = False):
+        round_trip: bool = False, recv_capacity: int | None = None):
     devices = devices or jax.devices()
     mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=devices)
@@ -231,7 +231,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         row_d, row_c = topology.row_bytes(H, dtype, K, wire_format=wire_format)
         cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
                                backend=backend, plan=plan, topology=topo,
-                               wire_format=wire_format)
+                               wire_format=wire_format, recv_capacity=recv_capacity)
         disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
         comb = smap(ep_comm.combine)
         ex, h = disp(xs, idss, ws)
@@ -439,6 +439,13 @@ def main(argv=None):
     ap.add_argument("--profile", default=None,
                     help="folder for JAX profiler traces: adds GPU kernel time per call and "
                          "wall/kernel columns")
+    ap.add_argument("--capacity-factors", default="1.0,1.25",
+                    help="the capacity-based exchange's factors, comma-separated ('none': no "
+                         "capacity rows)")
+    ap.add_argument("--recv-capacity", type=int, default=None,
+                    help="EPConfig.recv_capacity: expert rows per rank (default: the worst "
+                         "case, n * T * min(topk, experts per rank); pairs past it are dropped "
+                         "and counted)")
     ap.add_argument("--round-trip", action="store_true",
                     help="also time ep_comm's dispatch then combine in one program")
     ap.add_argument("--json", default=None, help="write the results to this file")
@@ -461,7 +468,9 @@ def main(argv=None):
     return emit((run(BenchConfig(args.tokens, args.hidden, args.topk, args.experts or 32 * n,
                                  dtype, routing), args.warmup, args.iters, backends=backends,
                      topo=topo, plans=plans, wire_formats=wires, profile=args.profile,
-                     round_trip=args.round_trip)
+                     round_trip=args.round_trip, recv_capacity=args.recv_capacity,
+                     capacity_factors=() if args.capacity_factors == "none" else tuple(
+                         float(f) for f in args.capacity_factors.split(",")))
                  for routing in args.routing.split(",")), table, args.json)
 
 

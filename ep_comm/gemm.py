@@ -11,13 +11,16 @@ a GEMM whose contracting dimension is ragged). Implementations:
 - ``"xla"``: ``jax.lax.ragged_dot`` / ``ragged_dot_general``. Exact on every platform; on GPU XLA
   lowers it to a dense masked matmul over ``[groups, rows, K]`` (about 30x off the GPU, and out of
   memory at a few hundred groups), so it is the CPU choice.
-- ``"tokamax"``: tokamax's Pallas Mosaic GPU kernels (Hopper; bf16/f16 inputs), with the tile
-  configs measured on an H200 in :data:`TOKAMAX_CONFIGS`. Needs ``pip install ep_comm[gpu]``
-  (tokamax, jax >= 0.11.1). These kernels do not write rows past the groups; ``grouped_matmul``
-  zeroes them (a select that XLA fuses into the next elementwise op), so results never depend on
-  which kernel ran and no uninitialised row reaches a later ``drhs``.
-- ``"auto"`` (default): ``"tokamax"`` on a CUDA backend when tokamax imports and the dtypes are
-  16-bit, else ``"xla"``.
+- ``"tokamax"``: tokamax's Pallas kernels: Mosaic GPU on GPUs (Hopper; bf16/f16 inputs), with
+  the tile configs measured on an H200 in :data:`TOKAMAX_CONFIGS`, needs ``pip install
+  ep_comm[gpu]`` (tokamax, jax >= 0.11.1); Mosaic TPU on TPUs (the megablox kernel; every
+  dimension at least 128; tokamax's heuristics), ``pip install ep_comm[tpu]``. These kernels do
+  not write rows past the groups; ``grouped_matmul`` zeroes them (a select that XLA fuses into the
+  next elementwise op), so results never depend on which kernel ran and no uninitialised row
+  reaches a later ``drhs``.
+- ``"auto"`` (default): ``"tokamax"`` on a GPU or TPU backend when tokamax's kernel for it
+  imports and the dtypes are 16-bit (on TPUs: and every dimension is at least 128), else
+  ``"xla"``.
 """
 
 from __future__ import annotations
@@ -62,24 +65,36 @@ TOKAMAX_CONFIGS: dict[str, dict[str, Any] | str] = {
 
 
 def tokamax_available() -> bool:
-    """Whether tokamax's GPU ragged dot imports here (it needs jax >= 0.11.1)."""
+    """Whether tokamax's ragged dot for this backend imports here (GPU: Mosaic GPU, which needs
+    jax >= 0.11.1; TPU: Mosaic TPU)."""
     return _tokamax_op() is not None
 
 
 @functools.lru_cache(maxsize=None)
 def _tokamax_op():
+    """``(module, kernel class)`` of tokamax's ragged dot for the default backend, or None."""
     try:
-        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu
+        if jax.default_backend() == "tpu":
+            from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as mod
+            return mod, mod.PallasMosaicTpuRaggedDot
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mod
+        return mod, mod.PallasMosaicGpuRaggedDot
     except Exception:  # not installed, or a jax it does not support: the "xla" path stays
         return None
-    return pallas_mosaic_gpu
 
 
 @functools.lru_cache(maxsize=None)
 def _tokamax_kernel(config: tuple | None):
-    mod = _tokamax_op()
+    mod, kernel = _tokamax_op()
     config = None if config is None else mod.Config(**dict(config))
-    return mod.PallasMosaicGpuRaggedDot(config=config)
+    return kernel(config=config)
+
+
+TPU_MIN_DIM = 128  # tokamax's Mosaic TPU kernel takes no dimension below this
+
+
+def _tpu_too_small(x, w) -> bool:
+    return jax.default_backend() == "tpu" and min(*x.shape, *w.shape[1:]) < TPU_MIN_DIM
 
 
 def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
@@ -89,12 +104,13 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
                          f"got {implementation!r}")
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if implementation == "auto":
-        gpu = jax.default_backend() == "gpu"
-        return "tokamax" if gpu and sixteen_bit and tokamax_available() else "xla"
+        accelerator = jax.default_backend() in ("gpu", "tpu")
+        return "tokamax" if accelerator and sixteen_bit and tokamax_available() else "xla"
     if implementation == "tokamax":
         if not tokamax_available():
             raise ValueError(f"{api}: implementation='tokamax' needs tokamax (pip install "
-                             f"'ep_comm[gpu]', jax >= 0.11.1), which does not import here")
+                             f"'ep_comm[gpu]', jax >= 0.11.1, or 'ep_comm[tpu]'), which does "
+                             f"not import here")
         if not sixteen_bit:
             raise ValueError(f"{api}: implementation='tokamax' takes bfloat16 or float16 "
                              f"inputs, got {jnp.dtype(dtype).name}")
@@ -216,6 +232,12 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
     else:
         choice = [implementation] * len(PASSES)
     impls = tuple(resolve(c, x.dtype, api) for c in choice)
+    if "tokamax" in impls and _tpu_too_small(x, w):  # (auto: ragged_dot; asked for: an error)
+        if "tokamax" in choice:
+            raise ValueError(f"{api}: implementation='tokamax' on TPU needs every dimension of x "
+                             f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
+                             f"{tuple(w.shape)}")
+        impls = tuple("xla" if i == "tokamax" else i for i in impls)
     if not isinstance(zero_past_groups, bool):
         raise TypeError(f"{api}: zero_past_groups must be a bool, got "
                         f"{type(zero_past_groups).__name__}")

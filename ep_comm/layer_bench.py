@@ -13,7 +13,10 @@ One run, side by side, on one routing (uniform top-k over ``--experts``):
   (the same expert FLOPs as batched einsums, no routing); TFLOP/s, ratio to the ceiling, memory
   per rank (XLA's buffer assignment), dispatch and combine timed alone on the same routing, and
   with ``--profile DIR`` the GPU kernel time split into
-  GEMM kernels and the rest (dispatch, combine, activation) from a profiler trace.
+  GEMM kernels and the rest (dispatch, combine, activation) from a profiler trace. At one rank
+  also the plain JAX layer (:func:`ep_comm.baselines.moe_layer`: argsort, gather, the same
+  grouped GEMM, gather back and weighted sum; autodiff's backward), forward and forward+backward,
+  and the table ends with ``moe_layer``'s time over it.
 
 Times are medians of ``--iters`` after ``--warmup``; ``#wrong`` counts outputs off a float64
 reference by more than the dtype's tolerance (layer: rank 0's first 64 tokens). JSON with
@@ -35,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
 from collectives.timing import emit, hardware, median_us, pipelined_us, trace_kernels
+from ep_comm import baselines
 from ep_comm import gemm as gm
 from ep_comm import pipeline
 
@@ -114,7 +118,7 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
                 operands = (a, b) if pass_name == "forward" else (dy, jnp.swapaxes(b, 1, 2))
             ref = None
             for impl, cfg in impls + [("tokamax", c) for c in candidates.get(pass_name, [])
-                                      if len(impls) > 1]:
+                                      if len(impls) > 1 and gpu]:  # (Mosaic GPU configs)
                 label = f"{impl} {_label(cfg)}" if impl == "tokamax" else "lax.ragged_dot"
                 if impl == "xla" and gpu and len(impls) > 1:
                     results.append(dict(gemm=name, pass_=pass_name, impl=label, skipped=(
@@ -231,6 +235,12 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
+        if n == 1 and fits:  # plain JAX with the same GEMM kernel (one rank: every expert here)
+            kind = gm.resolve(impl, dtype)
+            gemm = (jax.lax.ragged_dot if kind == "xla" else functools.partial(
+                ep_comm.grouped_matmul, implementation=kind))
+            results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
+                                    t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
         label = f"moe_layer grouped_matmul={impl}"
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
@@ -261,6 +271,26 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                                           experts=E, topk=K, dtype=jnp.dtype(dtype).name),
                 ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results,
                 tokamax_configs=dict(gm.TOKAMAX_CONFIGS))
+
+
+def _plain_layer(mesh, gemm, kind, args, t_dense_f, t_dense_b, flops, ref, check, dtype, H,
+                 warmup, iters):
+    """The plain JAX layer's rows (forward, fwd+bwd) with the grouped GEMM ``gemm``."""
+    smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    f = lambda x, ids, w, wi, wo: baselines.moe_layer(x, ids, w, wi, wo, gemm)  # noqa: E731
+    fwd = jax.jit(smap(f))
+    bwd = jax.jit(jax.grad(lambda x, w, wi, wo, ids: jnp.sum(smap(f)(x, ids, w, wi, wo).astype(
+        jnp.float32) ** 2), argnums=(0, 1, 2, 3)))
+    x, ids, w, wi, wo = args
+    label = f"plain JAX layer ({kind})"
+    wrong = _wrong(ep_comm.distributed.to_host(fwd(*args))[:check], ref, dtype, H)
+    t_f = median_us(fwd, args, warmup, iters)
+    t_b = median_us(bwd, (x, w, wi, wo, ids), warmup, iters)
+    print(f"  {label}: forward {t_f:.1f} us, fwd+bwd {t_b:.1f} us", flush=True)
+    return [dict(impl=label, pass_="forward", time_us=t_f, tflops=flops / t_f / 1e6,
+                 x_dense=t_f / t_dense_f, wrong=wrong),
+            dict(impl=label, pass_="fwd+bwd", time_us=t_b, tflops=3 * flops / t_b / 1e6,
+                 x_dense=t_b / t_dense_b)]
 
 
 def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, factor: float):
@@ -593,6 +623,14 @@ def table(rep) -> str:
                      f"{r['x_dense']:>9.2f}{wrong}{temp}")
         if "trace" in r:
             lines.append(f"#   trace: {json.dumps(r['trace'])}")
+    timed = {(r["impl"], r["pass_"]): r["time_us"] for r in rep["results"] if "time_us" in r}
+    for (impl, pass_), t in timed.items():
+        if impl.startswith("moe_layer"):
+            kind = impl.rsplit("=", 1)[1].split(" (")[-1].rstrip(")")
+            plain = timed.get((f"plain JAX layer ({kind})", pass_))
+            if plain:
+                lines.append(f"# {impl} {pass_}: {t / plain:.2f}x the plain JAX layer with the "
+                             f"same grouped GEMM ({kind})")
     return "\n".join(lines)
 
 

@@ -73,7 +73,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       axis_name: mesh axis name (or tuple of names) to exchange over.
       axis_index_groups: optional partition of the axis indices into equal-size groups; the
         exchange runs inside each group and offsets index group members.
-      backend: ``"auto"`` (``nccl`` on GPUs where the engine is built, else ``portable``),
+      backend: ``"auto"`` (``nccl`` on GPUs where the engine is built, ``xla`` on TPUs, else
+        ``portable``: :func:`collectives.auto_choice`),
         ``"portable"`` (padded ``all_to_all``, every platform), ``"xla"`` (XLA's native op,
         GPU/TPU only, exact bytes but slow on GPUs today; see docs/performance.md), ``"nccl"``
         (the compiled engine, GPUs) or ``"mpi"`` (the compiled engine over MPI, CPU, one device

@@ -43,6 +43,9 @@ _INFO = ep_comm.distributed.initialize(
 import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+if jax.default_backend() == "tpu":  # float32 references: TPUs' default matmul rounds to bf16
+    jax.config.update("jax_default_matmul_precision", "highest")
+
 # the compile accounting's hooks (pytest finds them by name in this module)
 from compile_accounting import (  # noqa: E402, F401
     pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary, pytest_testnodedown)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Everything one TPU chip can show, in one go (the device tool's tpu-v5e kind: Python 3.11, jax
+# 0.10.2, no sockets, one program on the chip at a time; nothing installed beyond jax):
+#   info     the platform, collectives.available() and what backend="auto" takes there;
+#   tests    the suite on the chip, one process (TESTS picks files; TEST_TIMEOUT bounds it);
+#   bench    ep_comm.bench at the issue's shape (T=4096, top-8 of 32, H=2048, bf16) and at a
+#            DeepSeek-V3-like rank (H=7168, top-8 of 256), plain JAX's permute/unpermute beside;
+#   layer    ep_comm.layer_bench's layer at T=4096, H=2048, I=1024, top-8 of 32, with
+#            lax.ragged_dot, moe_layer beside the plain JAX layer with the same GEMM;
+#   tokamax  (when named, and .whl-tpu/ holds tokamax and its wheels: README's recipe with
+#            --python-version 3.11; flax and the rest from the machine's own index) the layer
+#            again with grouped_matmul's default, tokamax's Mosaic TPU kernel on both sides.
+# STEPS picks steps (default info,tests,bench,layer). Tables and JSON land in ${OUT:-out}/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+STEPS=",${STEPS:-info,tests,bench,layer},"
+step() { [[ "$STEPS" == *",$1,"* ]]; }
+quiet() { grep -v -i "hugepage\|warnings.warn"; }
+step info && "$PY" -c "
+import jax, collectives
+print('jax', jax.__version__, jax.devices())
+print('available:', collectives.available())
+print('auto:', collectives.auto_choice())" 2>&1 | quiet | tee "$OUT/tpu.txt"
+if step tests; then
+  echo "== tests on the chip (one process)"
+  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
+    ${TESTS:-tests/test_row_kernels.py tests/test_rows.py tests/test_dispatch_combine.py tests/test_layer.py tests/test_ragged_all_to_all.py tests/test_lowering.py} 2>&1 | quiet | tail -30 | tee "$OUT/tests.txt"
+fi
+if step bench; then
+  echo "== dispatch/combine bench, plain JAX beside"
+  "$PY" -m ep_comm.bench --tokens 4096 --hidden 2048 --topk 8 --experts 32 --dtype bfloat16 \
+    --routing uniform --iters 20 --round-trip --capacity-factors none --backends xla \
+    --json "$OUT/bench_T4096_H2048.json" 2>&1 | quiet | tee "$OUT/bench_T4096_H2048.txt"
+  "$PY" -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
+    --routing uniform --iters 20 --round-trip --capacity-factors none --backends xla \
+    --json "$OUT/bench_T4096_H7168.json" 2>&1 | quiet | tee "$OUT/bench_T4096_H7168.txt"
+fi
+layer() {  # $1: a name, then layer_bench's arguments
+  local name="$1"; shift
+  "$PY" -m ep_comm.layer_bench --parts layer --tokens 4096 --hidden 2048 --intermediate 1024 \
+    --experts 32 --topk 8 --dtype bfloat16 --iters 10 "$@" --json "$OUT/layer_$name.json" \
+    2>&1 | quiet | tee "$OUT/layer_$name.txt"
+}
+step layer && echo "== layer, lax.ragged_dot on both sides" && layer ragged_dot --implementation xla
+if step tokamax; then
+  echo "== layer, tokamax's Mosaic TPU kernel on both sides"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl-tpu/*.whl >/dev/null 2>&1 || echo "note: the wheels of .whl-tpu/ did not install"
+  for pkg in flax jaxtyping typeguard==2.13.3 tensorboardx opt_einsum tqdm absl-py; do
+    PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --only-binary=:all: \
+      --index-url file:///opt/pypi/simple --target /tmp/site2 "$pkg" >/dev/null 2>&1 \
+      || echo "note: $pkg is not on the machine's index"
+  done
+  export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site2"  # (after the machine's own jax)
+  "$PY" -c "from ep_comm import gemm; print('tokamax TPU kernel:', gemm.tokamax_available())" \
+    2>&1 | quiet | tail -3
+  layer tokamax --no-xla
+fi
