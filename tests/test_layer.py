@@ -140,7 +140,8 @@ def test_grouped_matmul_rejects_bad_input():
             "'drhs'), got ['backward']")
     _raises(lambda: gmm(x, w, gs, implementation="tokamax"),
             "grouped_matmul: implementation='tokamax' needs tokamax (pip install 'ep_comm[gpu]', "
-            "jax >= 0.11.1), which does not import here" if not gemm.tokamax_available() else
+            "jax >= 0.11.1, or 'ep_comm[tpu]'), which does not import here"
+            if not gemm.tokamax_available() else
             "grouped_matmul: implementation='tokamax' takes bfloat16 or float16 inputs, "
             "got float32")
     _raises(lambda: gmm(x, w, gs, zero_past_groups=1),

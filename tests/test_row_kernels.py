@@ -1,20 +1,23 @@
 """collectives.row_kernels: the row gathers of dispatch and combine.
 
 Everywhere: the XLA lowering's contract (zero and unspecified rows, masked slots, dtypes), its
-transform rules and errors. On a GPU with the kernels built: each kernel against the XLA lowering
-(``row_kernels.xla_only``), bitwise for the gathers, scatter and counting sort, and to float32 reassociation for the sums, on
+transform rules and errors; the fast XLA lowerings (the path off CUDA) against the reference
+lowerings. On a GPU with the kernels built: each kernel against the XLA reference
+(``row_kernels.reference_only``), bitwise for the gathers, scatter and counting sort, and to float32 reassociation for the sums, on
 malformed indices too (``compute-sanitizer`` runs this file in ``scripts/gpu_check.sh``), and the
 receive side of dispatch and combine on buffers built as if they came from 2, 4, 8 and 64 ranks,
 both plans: the multi-rank index math with the kernels moving the rows, on one GPU.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import collectives
 import ep_comm
 from collectives import row_kernels
 from ep_comm.expand import ZERO_TAIL_ROWS, expand
@@ -26,9 +29,9 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU with the row kerne
 
 
 def _both(fn, *args):
-    """``fn(*args)`` with the kernels (where built) and with the XLA lowering."""
+    """``fn(*args)`` with the kernels (where built) and with the XLA reference lowering."""
     got = jax.jit(fn)(*args)
-    with row_kernels.xla_only():
+    with row_kernels.reference_only():
         want = jax.jit(lambda *a: fn(*a))(*args)
     return got, want
 
@@ -843,3 +846,110 @@ def test_receive_side_on_synthetic_ranks(n, plan):
         return rows_gather_sum(y, pos, pos < C, want["recv_weights"], out_dtype=jnp.float32)
     g, w_ = _both(receive_sum, expert_y)
     np.testing.assert_allclose(g, w_, rtol=1e-6, atol=1e-5)
+
+
+# --- the fast XLA lowerings (off CUDA) against the reference ------------------------------------
+
+def _fast_and_reference(fn, *args):
+    """``fn(*args)`` jitted with the fast XLA lowerings and with the reference lowerings."""
+    with row_kernels.xla_only():
+        fast = jax.jit(fn)(*args)
+    with row_kernels.reference_only():
+        ref = jax.jit(lambda *a: fn(*a))(*args)
+    return fast, ref
+
+
+def _bitwise(a, b):
+    a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_fast_lowerings_equal_the_reference():
+    """Bitwise for the moves, the layouts and the counting sort (malformed indices included:
+    negative, past the table, duplicated fill), to float32 reassociation for the sums."""
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((50, 12)).astype(np.float32)
+    idx = rng.integers(-5, 60, 80).astype(np.int32)
+    for t in (table, table.astype(jnp.bfloat16), (table * 100).astype(np.int32)):
+        _bitwise(*_fast_and_reference(row_kernels.gather, t, idx))
+    N, K, rows = 40, 3, 150
+    pos = rng.permutation(rows + 30)[: N * K].reshape(N, K).astype(np.int32) - 10  # some outside
+    fill = np.array([140, 141, 141, -1, 500], np.int32)
+    fill = fill[~np.isin(fill, pos)]
+    src = rng.standard_normal((N, 12)).astype(np.float32)
+    sources = np.full((rows,), -2, np.int32)
+    inside = (pos >= 0) & (pos < rows)
+    sources[pos[inside]] = np.broadcast_to(np.arange(N)[:, None], (N, K))[inside]
+    sources[fill[(fill >= 0) & (fill < rows)]] = -1
+    for kw in ({}, {"sources": sources}, {"columns": (2, 9)}):
+        _bitwise(*_fast_and_reference(
+            lambda t, p, f, kw=kw: row_kernels.scatter(t, p, f, rows, **kw), src, pos, fill))
+    for fmt_mx in (False, True):
+        wire = row_kernels.fp8_rows(jnp.asarray(src), 4, fmt_mx)
+        _bitwise(*_fast_and_reference(lambda w, p, f, mx=fmt_mx: row_kernels.scatter_dequant(
+            w, p, f, rows, hidden=12, block=4, mx=mx, dtype=jnp.float32), wire, pos, fill))
+        for fast, ref in zip(*_fast_and_reference(lambda t, p, f, mx=fmt_mx: (
+                row_kernels.scatter_fake_quant(t, p, f, rows, block=4, mx=mx),
+                *row_kernels.scatter_quant(t, p, f, rows, block=4, mx=mx)), src, pos, fill)):
+            _bitwise(fast, ref)
+    w = rng.random((60, 4)).astype(np.float32)
+    idx2 = rng.integers(-3, 55, (60, 4)).astype(np.int32)
+    fast, ref = _fast_and_reference(lambda t, i, w: row_kernels.gather_sum(t, i, w), table,
+                                    idx2, w)
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    for case in LAYOUT_CASES:
+        R, K2, L, C, num_recv, me, n_ranks, zero_fill = case
+        route = _layout_route(np.random.default_rng(R + L), R, K2, L, me, n_ranks, num_recv)
+        fast, ref = [jax.tree.leaves(o) for o in _fast_and_reference(
+            lambda r, L=L, C=C, n=num_recv, m=me, z=zero_fill: row_kernels.expert_layout(
+                r, n, m, experts=L, rows=C, fill_rows=7, zero_fill=z), route)]
+        for f, r in zip(fast, ref):
+            _bitwise(f, r)
+    ids = rng.integers(-1, 16, (30, 4)).astype(np.int32)
+    for fast, ref in zip(*[jax.tree.leaves(o) for o in _fast_and_reference(
+            lambda i, w: row_kernels.local_layout(i, w, num_experts=16, rows=100, fill_rows=5),
+            ids, rng.random((30, 4)).astype(np.float32))]):
+        _bitwise(fast, ref)
+    key = rng.integers(-2, 40, 3000).astype(np.int32)
+    for fast, ref in zip(jax.jit(row_kernels.sort_by_key, static_argnums=1)(key, 37),
+                         _stable_ranks(key, 37)):
+        np.testing.assert_array_equal(np.asarray(fast), ref)
+
+
+def test_fast_dispatch_equals_the_reference_bitwise():
+    """One rank's dispatch and combine, every output (the handle too): fast and reference
+    lowerings give the same bits (combine: to float32 reassociation)."""
+    rng = np.random.default_rng(3)
+    T, H, K, E = 64, 16, 4, 8
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = rng.integers(-1, E, (T, K)).astype(np.int32)
+    ids[:, 1] = np.where(rng.random(T) < 0.2, ids[:, 0], ids[:, 1])  # repeats
+    w = rng.random((T, K)).astype(np.float32)
+    cfg = ep_comm.EPConfig("ep", num_ranks=1, num_experts=E, topk=K, tokens_per_rank=T,
+                           recv_capacity=T * K - 20)  # some dropped, counted
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+    spec = jax.sharding.PartitionSpec("ep")
+    put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+
+    def round_trip(x, ids, w):
+        ex, h = ep_comm.dispatch(x, ids, w, cfg)
+        return ex, h, ep_comm.combine(ex, h)
+    fn = jax.shard_map(round_trip, mesh=mesh, in_specs=spec, out_specs=spec)
+    fast, ref = [jax.tree.leaves(o) for o in _fast_and_reference(fn, put(x), put(ids), put(w))]
+    for f, r in zip(fast[:-1], ref[:-1]):
+        _bitwise(f, r)
+    np.testing.assert_allclose(np.asarray(fast[-1]), np.asarray(ref[-1]), rtol=1e-6, atol=1e-6)
+
+
+def test_auto_transport_and_unavailable_backends_name_the_platform():
+    assert collectives.auto_choice("tpu")[0] == "xla"
+    assert collectives.auto_choice("cpu") == (
+        "portable", "nccl: the nccl transport runs on cuda/gpu, not cpu; the portable transport "
+        "runs everywhere")
+    for backend, reason in (("nccl", "the nccl transport runs on cuda/gpu, not tpu"),
+                            ("mpi", "the mpi transport runs on cpu, not tpu")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"dispatch: backend={backend!r} is not available here: {reason}; use "
+                f"backend='portable' or 'auto'")):
+            collectives.resolve(backend, "tpu", caller="dispatch")
