@@ -2,9 +2,11 @@
 
 Each primitive here is lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
 ``_ep_rows``) on GPUs where it is built, and to XLA everywhere else (:func:`_primitive` defines
-that choice once); the XLA lowering is the reference the kernels equal
+that choice once). Each has an XLA *reference* lowering, the definition the kernels equal
 (``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, scatters and the
-counting sort, to float32 reassociation for :func:`gather_sum`).
+counting sort, to float32 reassociation for :func:`gather_sum`), and most a *fast* XLA lowering,
+the production path on TPUs and CPUs (sorts, whole-row gathers in clip mode, no scatter of rows
+and no select over an output; equal to the reference the same way, checked on every platform).
 
 - :func:`gather`: ``out[i] = table[idx[i]]``, rows of any dtype (FP8 rows as bytes too). A row
   with a negative index is zero; a row with an index ``>= len(table)`` is *unspecified*: the kernel
@@ -29,11 +31,13 @@ counting sort, to float32 reassociation for :func:`gather_sum`).
 And :func:`empty`: a buffer for an exchange to receive into, left uninitialised on GPUs (no
 memset of a worst-case receive buffer), poisoned by the XLA lowering elsewhere.
 
-``EP_COMM_ROW_KERNELS=0`` (read when a program is traced) or :func:`xla_only` use the XLA lowering
-on GPUs too, for A/B comparisons. ``gather`` and ``gather_sum`` are linear in the table (and
-``gather_sum`` in the weights) with jvp and transpose rules (scatter-adds: ``ep_comm.rows`` gives
-dispatch and combine custom VJPs that avoid them); ``scatter_dequant`` moves bytes (no gradient);
-every one with operands batches through its XLA reference.
+``EP_COMM_ROW_KERNELS=0`` (read when a program is traced) or :func:`xla_only` use the fast XLA
+lowerings on GPUs too, for A/B comparisons; ``EP_COMM_ROW_KERNELS=reference`` or
+:func:`reference_only` the reference lowerings everywhere. ``gather`` and ``gather_sum`` are
+linear in the table (and ``gather_sum`` in the weights) with jvp and transpose rules
+(scatter-adds: ``ep_comm.rows`` gives dispatch and combine custom VJPs that avoid them);
+``scatter_dequant`` moves bytes (no gradient); every one with operands batches through the XLA
+lowering its ``kernel`` parameter picks.
 """
 
 from __future__ import annotations
@@ -313,7 +317,7 @@ def _take_rows(table, at):
 def _rows_from(table, src):
     """``table[src]`` where ``src >= 0``, zero where ``src == -1``, poison where ``src < -1``."""
     n = table.shape[0]
-    return _take_rows(table, jnp.where(src >= 0, jnp.minimum(src, n + 1),
+    return _take_rows(table, jnp.where((src >= 0) & (src < n), src,
                                        jnp.where(src == -1, n, n + 1)))
 
 

@@ -2,14 +2,14 @@
 # Everything one TPU chip can show, in one go (the device tool's tpu-v5e kind: Python 3.11, jax
 # 0.10.2, no sockets, one program on the chip at a time; nothing installed beyond jax):
 #   info     the platform, collectives.available() and what backend="auto" takes there;
-#   tests    the suite on the chip, one process (TESTS picks files; TEST_TIMEOUT bounds it);
 #   bench    ep_comm.bench at the issue's shape (T=4096, top-8 of 32, H=2048, bf16) and at a
 #            DeepSeek-V3-like rank (H=7168, top-8 of 256), plain JAX's permute/unpermute beside;
 #   layer    ep_comm.layer_bench's layer at T=4096, H=2048, I=1024, top-8 of 32, with
 #            lax.ragged_dot, moe_layer beside the plain JAX layer with the same GEMM;
 #   tokamax  (when named, and .whl-tpu/ holds tokamax and its wheels: README's recipe with
 #            --python-version 3.11; flax and the rest from the machine's own index) the layer
-#            again with grouped_matmul's default, tokamax's Mosaic TPU kernel on both sides.
+#            again with grouped_matmul's default, tokamax's Mosaic TPU kernel on both sides;
+#   tests    the suite on the chip, one process (TESTS picks files; TEST_TIMEOUT bounds it), last.
 # STEPS picks steps (default info,tests,bench,layer). Tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +24,6 @@ import jax, collectives
 print('jax', jax.__version__, jax.devices())
 print('available:', collectives.available())
 print('auto:', collectives.auto_choice())" 2>&1 | quiet | tee "$OUT/tpu.txt"
-if step tests; then
-  echo "== tests on the chip (one process)"
-  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
-    ${TESTS:-tests/test_row_kernels.py tests/test_rows.py tests/test_dispatch_combine.py tests/test_layer.py tests/test_ragged_all_to_all.py tests/test_lowering.py} 2>&1 | quiet | tail -30 | tee "$OUT/tests.txt"
-fi
 if step bench; then
   echo "== dispatch/combine bench, plain JAX beside"
   "$PY" -m ep_comm.bench --tokens 4096 --hidden 2048 --topk 8 --experts 32 --dtype bfloat16 \
@@ -58,4 +53,11 @@ if step tokamax; then
   "$PY" -c "from ep_comm import gemm; print('tokamax TPU kernel:', gemm.tokamax_available())" \
     2>&1 | quiet | tail -3
   layer tokamax --no-xla
+fi
+# last: the longest, bounded by TEST_TIMEOUT (the whole log in tests_log.txt)
+if step tests; then
+  echo "== tests on the chip (one process)"
+  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
+    -rf ${TESTS:-tests/test_row_kernels.py tests/test_rows.py tests/test_dispatch_combine.py tests/test_layer.py tests/test_ragged_all_to_all.py tests/test_lowering.py} 2>&1 | quiet \
+    > "$OUT/tests_log.txt"; tail -40 "$OUT/tests_log.txt" | tee "$OUT/tests.txt"
 fi
