@@ -268,8 +268,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                       buffers=cfg.buffer_bytes(H, dtype, plan, topo.num_nodes)["total"])
         for phase, fn, fargs in phases:
             i = int(phase == "combine")
-            if phase == "round trip":
-                common["wrong"] = wrong(fn(*fargs))
+            # (the round trip's own output; dispatch and combine: the pair's, above)
+            checked = dict(wrong=wrong(fn(*fargs))) if phase == "round trip" else {}
             t = median_us(fn, fargs, warmup, iters)
             piped = pipelined_us(fn, fargs, 1, iters)
             extra = dict(pipelined_us=piped)
@@ -299,7 +299,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                                 predicted_us=(predicted["dispatch"] + predicted["combine"]
                                               if phase == "round trip"
                                               else predicted[phase.split()[0]]) * 1e6,
-                                compulsory_bytes=compulsory, **extra, **common))
+                                compulsory_bytes=compulsory, **extra, **{**common, **checked}))
     for cf in capacity_factors:
         cap = capacity_slots(cf, T, K, E)
         fn = smap(functools.partial(capacity_round_trip, axis_name="ep", num_experts=E, cap=cap))

@@ -254,14 +254,16 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         mem = fwd.lower(xs, idss, ws, wis, wos).compile().memory_analysis()
         print(f"  {label} forward: {t_f:.1f} us, {t_f / t_dense_f:.2f}x dense "
               f"({t_dense_f:.1f} us), #wrong {wrong}", flush=True)
-        results.append(dict(impl=label, pass_="forward", time_us=t_f,
+        results.append(dict(impl=label, gemm=gm.resolve(impl, dtype), pass_="forward",
+                            time_us=t_f,
                             tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
                             temp_bytes=getattr(mem, "temp_size_in_bytes", None)))
         if gpu and impl == "xla":
             continue  # its drhs is a dense masked product over every group: forward shows enough
         t_b = median_us(bwd, (xs, ws, wis, wos, idss), warmup, iters)
         mem = bwd.lower(xs, ws, wis, wos, idss).compile().memory_analysis()
-        rep = dict(impl=label, pass_="fwd+bwd", time_us=t_b, tflops=3 * fwd_flops / t_b / 1e6,
+        rep = dict(impl=label, gemm=gm.resolve(impl, dtype), pass_="fwd+bwd", time_us=t_b,
+                   tflops=3 * fwd_flops / t_b / 1e6,
                    x_dense=t_b / t_dense_b, temp_bytes=getattr(mem, "temp_size_in_bytes", None))
         if profile and impl == implementation:
             rep["trace"] = _profile_split(profile, bwd, (xs, ws, wis, wos, idss))
@@ -287,10 +289,10 @@ def _plain_layer(mesh, gemm, kind, args, t_dense_f, t_dense_b, flops, ref, check
     t_f = median_us(fwd, args, warmup, iters)
     t_b = median_us(bwd, (x, w, wi, wo, ids), warmup, iters)
     print(f"  {label}: forward {t_f:.1f} us, fwd+bwd {t_b:.1f} us", flush=True)
-    return [dict(impl=label, pass_="forward", time_us=t_f, tflops=flops / t_f / 1e6,
-                 x_dense=t_f / t_dense_f, wrong=wrong),
-            dict(impl=label, pass_="fwd+bwd", time_us=t_b, tflops=3 * flops / t_b / 1e6,
-                 x_dense=t_b / t_dense_b)]
+    return [dict(impl=label, plain=kind, pass_="forward", time_us=t_f,
+                 tflops=flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong),
+            dict(impl=label, plain=kind, pass_="fwd+bwd", time_us=t_b,
+                 tflops=3 * flops / t_b / 1e6, x_dense=t_b / t_dense_b)]
 
 
 def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, factor: float):
@@ -623,14 +625,12 @@ def table(rep) -> str:
                      f"{r['x_dense']:>9.2f}{wrong}{temp}")
         if "trace" in r:
             lines.append(f"#   trace: {json.dumps(r['trace'])}")
-    timed = {(r["impl"], r["pass_"]): r["time_us"] for r in rep["results"] if "time_us" in r}
-    for (impl, pass_), t in timed.items():
-        if impl.startswith("moe_layer"):
-            kind = impl.rsplit("=", 1)[1].split(" (")[-1].rstrip(")")
-            plain = timed.get((f"plain JAX layer ({kind})", pass_))
-            if plain:
-                lines.append(f"# {impl} {pass_}: {t / plain:.2f}x the plain JAX layer with the "
-                             f"same grouped GEMM ({kind})")
+    plain = {(r["plain"], r["pass_"]): r["time_us"] for r in rep["results"] if "plain" in r}
+    for r in rep["results"]:
+        p = plain.get((r.get("gemm"), r["pass_"]))
+        if p:
+            lines.append(f"# {r['impl']} {r['pass_']}: {r['time_us'] / p:.2f}x the plain JAX layer "
+                         f"with the same grouped GEMM ({r['gemm']})")
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """Where the time of dispatch and combine goes off CUDA: the building blocks of their XLA
-lowerings next to plain JAX, at one rank. ``python scripts/lowering_probe.py [T H K E I]``."""
+lowerings next to plain JAX, at one rank: ``python scripts/lowering_probe.py [T H K E I]
+[--blocks]`` (``--blocks``: also sorts, scatters and counts of ``T * K`` keys alone)."""
 
 import functools
 import sys
@@ -13,8 +14,10 @@ import collectives
 import ep_comm
 from collectives import row_kernels as rk
 from collectives.timing import hardware, median_us, pipelined_us
+from ep_comm import baselines
 
-T, H, K, E, I = (int(a) for a in ([a for a in sys.argv[1:] if a[0] != '-'] or [4096, 2048, 8, 32, 1024]))
+SHAPE = [a for a in sys.argv[1:] if not a.startswith('-')] or [4096, 2048, 8, 32, 1024]
+T, H, K, E, I = (int(a) for a in SHAPE)
 dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
 mesh = jax.make_mesh((1,), ("ep",))
 put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))  # noqa: E731
@@ -47,20 +50,8 @@ cfg = ep_comm.EPConfig("ep", num_ranks=1, num_experts=E, topk=K, tokens_per_rank
 time("copy: repeat x K rows", smap(lambda x: jnp.repeat(x, K, axis=0)), x)
 
 
-def plain_permute(x, ids):
-    order = jnp.argsort(ids.reshape(-1), stable=True)
-    return jnp.take(x, order // K, axis=0), order
-
-
-def plain_round_trip(x, ids, w):
-    xs, order = plain_permute(x, ids)
-    inv = jnp.argsort(order)
-    back = jnp.take(xs, inv, axis=0).reshape(T, K, -1).astype(jnp.float32)
-    return jnp.sum(back * w[:, :, None], axis=1).astype(x.dtype)
-
-
-time("plain permute (argsort + gather)", smap(plain_permute), x, ids)
-time("plain permute + unpermute", smap(plain_round_trip), x, ids, w)
+time("plain permute (argsort + gather)", smap(baselines.permute), x, ids)
+time("plain permute + unpermute", smap(baselines.round_trip), x, ids, w)
 for mode, ctx in (("reference", rk.reference_only), ("fast", rk.xla_only)):
     with ctx():
         d = smap(functools.partial(ep_comm.dispatch, config=cfg))
@@ -93,14 +84,7 @@ wo = put(jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), dtype))
 
 
 def plain_layer(x, ids, w, wi, wo):
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    xs = jnp.take(x, order // K, axis=0)
-    gs = jnp.bincount(flat, length=E).astype(jnp.int32)
-    u = jax.lax.ragged_dot(xs, wi, gs)
-    y = jax.lax.ragged_dot(ep_comm.layer.swiglu(u, I), wo, gs)
-    back = jnp.take(y, jnp.argsort(order), axis=0).reshape(T, K, -1).astype(jnp.float32)
-    return jnp.sum(back * w[:, :, None], axis=1).astype(x.dtype)
+    return baselines.moe_layer(x, ids, w, wi, wo)
 
 
 def layer(x, ids, w, wi, wo):

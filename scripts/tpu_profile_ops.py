@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
+from ep_comm import baselines
 
 T, H, K, E = (int(a) for a in (sys.argv[1:] or [4096, 2048, 8, 32]))
 dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
@@ -28,11 +29,6 @@ ids = put(jnp.asarray(np.argsort(rng.random((T, E)), 1)[:, :K].astype(np.int32))
 w = put(jnp.asarray(rng.random((T, K)), jnp.float32))
 smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))  # noqa
 cfg = ep_comm.EPConfig("ep", num_ranks=1, num_experts=E, topk=K, tokens_per_rank=T)
-
-
-def plain(x, ids):
-    order = jnp.argsort(ids.reshape(-1), stable=True)
-    return jnp.take(x, order // K, axis=0), order
 
 
 def ops(name, fn, args, calls=5):
@@ -63,7 +59,7 @@ def ops(name, fn, args, calls=5):
         print(f"{us:>9.1f}  {where:<36} {op}")
 
 
-ops("plain permute", smap(plain), (x, ids))
+ops("plain permute", smap(baselines.permute), (x, ids))
 ops("dispatch", smap(functools.partial(ep_comm.dispatch, config=cfg)), (x, ids, w))
 ex, h = smap(functools.partial(ep_comm.dispatch, config=cfg))(x, ids, w)
 ops("combine", smap(ep_comm.combine), (ex, h))

@@ -3,10 +3,11 @@
 Everywhere: the XLA lowering's contract (zero and unspecified rows, masked slots, dtypes), its
 transform rules and errors; the fast XLA lowerings (the path off CUDA) against the reference
 lowerings. On a GPU with the kernels built: each kernel against the XLA reference
-(``row_kernels.reference_only``), bitwise for the gathers, scatter and counting sort, and to float32 reassociation for the sums, on
-malformed indices too (``compute-sanitizer`` runs this file in ``scripts/gpu_check.sh``), and the
-receive side of dispatch and combine on buffers built as if they came from 2, 4, 8 and 64 ranks,
-both plans: the multi-rank index math with the kernels moving the rows, on one GPU.
+(``row_kernels.reference_only``), bitwise for the gathers, scatter and counting sort, and to
+float32 reassociation for the sums, on malformed indices too (``compute-sanitizer`` runs this
+file in ``scripts/gpu_check.sh``), and the receive side of dispatch and combine on buffers built
+as if they came from 2, 4, 8 and 64 ranks, both plans: the multi-rank index math with the kernels
+moving the rows, on one GPU.
 """
 
 import dataclasses
