@@ -112,6 +112,24 @@ def _raises(fn, message):
         fn()
 
 
+def test_grouped_matmul_on_tpu_takes_tokamax_only_from_128_up(monkeypatch):
+    """On a TPU with tokamax's Mosaic TPU kernel (stood in for here: only the choice is checked),
+    ``auto`` falls back to ``lax.ragged_dot`` below 128 in any dimension and an explicit
+    ``tokamax`` raises, naming the shapes."""
+    monkeypatch.setattr(gemm.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(gemm, "tokamax_available", lambda: True)
+    x = jnp.ones((6, 4), jnp.bfloat16)
+    w = jnp.ones((3, 4, 5), jnp.bfloat16)
+    gs = jnp.array([1, 2, 3], jnp.int32)
+    assert gemm.resolve("auto", jnp.bfloat16) == "tokamax"
+    want = jax.lax.ragged_dot(x, w, gs)
+    np.testing.assert_array_equal(np.asarray(ep_comm.grouped_matmul(x, w, gs), np.float32),
+                                  np.asarray(want, np.float32))
+    _raises(lambda: ep_comm.grouped_matmul(x, w, gs, implementation="tokamax"),
+            "grouped_matmul: implementation='tokamax' on TPU needs every dimension of x and w "
+            ">= 128, got x (6, 4) and w (3, 4, 5)")
+
+
 def test_grouped_matmul_rejects_bad_input():
     x = jnp.zeros((6, 4), jnp.float32)
     w = jnp.zeros((3, 4, 5), jnp.float32)
