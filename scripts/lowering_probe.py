@@ -1,8 +1,16 @@
 """Where the time of dispatch and combine goes off CUDA: the building blocks of their XLA
 lowerings next to plain JAX, at one rank: ``python scripts/lowering_probe.py [T H K E I]
-[--blocks]`` (``--blocks``: also sorts, scatters and counts of ``T * K`` keys alone)."""
+[--blocks] [--ops]`` (``--blocks``: also sorts, scatters and counts of ``T * K`` keys alone;
+``--ops``: instead, the device ops of plain JAX's permute, dispatch and combine from a JAX profiler
+trace, heaviest first: TPU or CPU)."""
 
+import collections
 import functools
+import glob
+import gzip
+import json
+import os
+import shutil
 import sys
 
 import jax
@@ -45,6 +53,41 @@ def time(name, fn, *args):
 
 smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))  # noqa
 cfg = ep_comm.EPConfig("ep", num_ranks=1, num_experts=E, topk=K, tokens_per_rank=T)
+
+def ops(name, fn, args, calls=5):
+    jax.block_until_ready(fn(*args))
+    folder = f"/tmp/prof_{name.replace(' ', '_')}"
+    shutil.rmtree(folder, ignore_errors=True)
+    with jax.profiler.trace(folder):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        print(name, "no trace")
+        return
+    with gzip.open(files[0]) as f:
+        events = json.load(f).get("traceEvents", [])
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    by = collections.defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X":
+            where = f"{procs.get(e['pid'], '?')[:18]}/{threads.get((e['pid'], e['tid']), '?')[:16]}"
+            by[(where, e["name"][:60])] += e["dur"] / calls
+    device = {k: v for k, v in by.items() if not k[0].startswith("/host")}
+    print(f"== {name}: per call, us; device ops total {sum(device.values()):.1f}")
+    for (where, op), us in sorted((device or by).items(), key=lambda t: -t[1])[:28]:
+        print(f"{us:>9.1f}  {where:<36} {op}")
+
+
+if "--ops" in sys.argv:  # the device ops of plain JAX's permute, dispatch and combine instead
+    ops("plain permute", smap(baselines.permute), (x, ids))
+    disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
+    ops("dispatch", disp, (x, ids, w))
+    ops("combine", smap(ep_comm.combine), disp(x, ids, w))
+    sys.exit()
 
 # ceilings and plain JAX
 time("copy: repeat x K rows", smap(lambda x: jnp.repeat(x, K, axis=0)), x)
