@@ -101,5 +101,4 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     else:
         expert_x = row_kernels.scatter(buf_x, targets, fill, C, sources=sources)
 
-    return Expanded(expert_x, lay.group_sizes, recv_pos, recv_w, lay.expert_token,
-                    jnp.minimum(lay.num_pairs, C))
+    return Expanded(expert_x, lay.group_sizes, recv_pos, recv_w, lay.expert_token, filled)
