@@ -26,6 +26,7 @@ a GEMM whose contracting dimension is ragged). Implementations:
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -67,25 +68,39 @@ TOKAMAX_CONFIGS: dict[str, dict[str, Any] | str] = {
 def tokamax_available() -> bool:
     """Whether tokamax's ragged dot for this backend imports here (GPU: Mosaic GPU, which needs
     jax >= 0.11.1; TPU: Mosaic TPU)."""
-    return _tokamax_op() is not None
+    return _tokamax_op()[0] is not None
+
+
+def tokamax_unavailable_reason() -> str | None:
+    """Why :func:`tokamax_available` is False here (the import's error), or None."""
+    return _tokamax_op()[1]
 
 
 @functools.lru_cache(maxsize=None)
 def _tokamax_op():
-    """``(module, kernel class)`` of tokamax's ragged dot for the default backend, or None."""
+    """``((module, kernel class), None)`` of tokamax's ragged dot for the default backend, or
+    ``(None, why)``."""
     try:
         if jax.default_backend() == "tpu":
             from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as mod
-            return mod, mod.PallasMosaicTpuRaggedDot
-        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mod
-        return mod, mod.PallasMosaicGpuRaggedDot
-    except Exception:  # not installed, or a jax it does not support: the "xla" path stays
-        return None
+            op = mod, mod.PallasMosaicTpuRaggedDot
+        else:
+            from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mod
+            op = mod, mod.PallasMosaicGpuRaggedDot
+        # tokamax reads its options from absl flags, parsing the whole sys.argv the first time
+        # unless a program already did: any other command-line option (a benchmark's, a
+        # user's) would then raise. Parse them here, taking only the flags absl knows.
+        from absl import flags
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS(sys.argv or ["ep_comm"], known_only=True)
+        return op, None
+    except Exception as e:  # not installed, or a jax it does not support: the "xla" path stays
+        return None, f"{type(e).__name__}: {e}"
 
 
 @functools.lru_cache(maxsize=None)
 def _tokamax_kernel(config: tuple | None):
-    mod, kernel = _tokamax_op()
+    mod, kernel = _tokamax_op()[0]
     config = None if config is None else mod.Config(**dict(config))
     return kernel(config=config)
 
@@ -102,7 +117,7 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{api}: implementation must be one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
-    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    sixteen_bit = _sixteen_bit(dtype)
     if implementation == "auto":
         accelerator = jax.default_backend() in ("gpu", "tpu")
         return "tokamax" if accelerator and sixteen_bit and tokamax_available() else "xla"
@@ -110,11 +125,15 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
         if not tokamax_available():
             raise ValueError(f"{api}: implementation='tokamax' needs tokamax (pip install "
                              f"'ep_comm[gpu]', jax >= 0.11.1, or 'ep_comm[tpu]'), which does "
-                             f"not import here")
+                             f"not import here ({tokamax_unavailable_reason()})")
         if not sixteen_bit:
             raise ValueError(f"{api}: implementation='tokamax' takes bfloat16 or float16 "
                              f"inputs, got {jnp.dtype(dtype).name}")
     return implementation
+
+
+def _sixteen_bit(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _hopper() -> bool:
@@ -137,9 +156,18 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
         raise ValueError(f"pass_kernel: pass_name must be one of {PASSES}, got {pass_name!r}")
     dims = _RAGGED_CONTRACTING if pass_name == "drhs" else _RAGGED_ROWS
     if impl == "xla":
-        def xla(a, b, group_sizes, out_dtype, zero_tail=True):  # (ragged_dot zeroes the tail)
-            return lax.ragged_dot_general(a, b, group_sizes, dims,
-                                          preferred_element_type=out_dtype)
+        def xla(a, b, group_sizes, out_dtype, zero_tail=True):
+            # 16-bit inputs: every precision is the same product; explicit, since XLA:TPU's
+            # ragged dot fails to compile bf16 at a global jax_default_matmul_precision="highest"
+            precision = lax.Precision.DEFAULT if _sixteen_bit(a.dtype) else None
+            out = lax.ragged_dot_general(a, b, group_sizes, dims, precision=precision,
+                                         preferred_element_type=out_dtype)
+            if pass_name == "drhs" or not zero_tail:
+                return out
+            # XLA:CPU and XLA:GPU zero the rows past the groups; XLA:TPU leaves them unwritten
+            return lax.platform_dependent(
+                out, group_sizes, tpu=lambda o, g: _zero_past_groups(o, g),
+                default=lambda o, g: o)
         return xla
     if config is None:
         config = TOKAMAX_CONFIGS.get(pass_name, "heuristics") if _hopper() else "heuristics"

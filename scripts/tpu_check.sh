@@ -4,8 +4,9 @@
 #   info     the platform, collectives.available() and what backend="auto" takes there;
 #   bench    ep_comm.bench at the shape (T=4096, top-8 of 32, H=2048, bf16) and at a
 #            DeepSeek-V3-like rank (H=7168, top-8 of 256), plain JAX's permute/unpermute beside;
-#   layer    ep_comm.layer_bench's layer at T=4096, H=2048, I=1024, top-8 of 32, with
-#            lax.ragged_dot, moe_layer beside the plain JAX layer with the same GEMM;
+#   layer    ep_comm.layer_bench's layer at T=4096, H=2048, I=1024, top-8 of 32, and at a
+#            DeepSeek-V3-like rank (H=7168, I=2048), with lax.ragged_dot, moe_layer beside the
+#            plain JAX layer with the same GEMM;
 #   tokamax  (when named, and .whl-tpu/ holds tokamax and its wheels: README's recipe with
 #            --python-version 3.11; flax and the rest from the machine's own index) the layer
 #            again with grouped_matmul's default, tokamax's Mosaic TPU kernel on both sides;
@@ -39,25 +40,30 @@ layer() {  # $1: a name, then layer_bench's arguments
     --experts 32 --topk 8 --dtype bfloat16 --iters 10 "$@" --json "$OUT/layer_$name.json" \
     2>&1 | quiet | tee "$OUT/layer_$name.txt"
 }
-step layer && echo "== layer, lax.ragged_dot on both sides" && layer ragged_dot --implementation xla
+if step layer; then
+  echo "== layer, lax.ragged_dot on both sides" && layer ragged_dot --implementation xla
+  echo "== layer at a DeepSeek-V3-like rank (H=7168, I=2048, top-8 of 32), lax.ragged_dot"
+  layer H7168_ragged_dot --implementation xla --hidden 7168 --intermediate 2048
+fi
 if step tokamax; then
   echo "== layer, tokamax's Mosaic TPU kernel on both sides"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl-tpu/*.whl >/dev/null 2>&1 || echo "note: the wheels of .whl-tpu/ did not install"
-  for pkg in flax jaxtyping typeguard==2.13.3 tensorboardx opt_einsum tqdm absl-py; do
+  for pkg in flax jaxtyping tensorboardx opt_einsum tqdm absl-py; do
     PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --only-binary=:all: \
       --index-url file:///opt/pypi/simple --target /tmp/site2 "$pkg" >/dev/null 2>&1 \
       || echo "note: $pkg is not on the machine's index"
   done
   export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site2"  # (after the machine's own jax)
-  "$PY" -c "from ep_comm import gemm; print('tokamax TPU kernel:', gemm.tokamax_available())" \
+  "$PY" -c "from ep_comm import gemm; print('tokamax TPU kernel:', gemm.tokamax_available(), gemm.tokamax_unavailable_reason() or '')" \
     2>&1 | quiet | tail -3
   layer tokamax --no-xla
+  layer H7168_tokamax --no-xla --hidden 7168 --intermediate 2048
 fi
 # last: the longest, bounded by TEST_TIMEOUT (the whole log in tests_log.txt)
 if step tests; then
   echo "== tests on the chip (one process)"
-  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
+  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --tb=short \
     -rf ${TESTS:-tests/test_row_kernels.py tests/test_rows.py tests/test_dispatch_combine.py tests/test_layer.py tests/test_ragged_all_to_all.py tests/test_lowering.py} 2>&1 | quiet \
     > "$OUT/tests_log.txt"; tail -40 "$OUT/tests_log.txt" | tee "$OUT/tests.txt"
 fi

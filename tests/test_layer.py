@@ -52,19 +52,34 @@ def _value_and_grads(implementation):
     return jax.jit(f)
 
 
+def _dense_grouped(x, w, sizes, cot):
+    """float64 numpy: out, dx and dw of the grouped product, zero past the groups."""
+    x, w, cot = (np.asarray(a, np.float64) for a in (x, w, cot))
+    out, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
+    for g, (lo, hi) in enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes))):
+        out[lo:hi] = x[lo:hi] @ w[g]
+        dx[lo:hi] = cot[lo:hi] @ w[g].T
+        dw[g] = x[lo:hi].T @ cot[lo:hi]
+    return out, dx, dw
+
+
 def _check_against_ragged_dot(rng, sizes, dtype, implementation, rtol):
     x, w, gs, cot = _ragged_case(rng, sizes, dtype)
     key = tuple(implementation.items()) if isinstance(implementation, dict) else implementation
     got = _value_and_grads(key)(x, w, gs, cot)
-    # the reference: lax.ragged_dot (values and its own transpose rules) in float32
+    # the references: the dense float64 product, and lax.ragged_dot (values and its own transpose
+    # rules) in float32 on the groups' rows (past them, XLA:TPU leaves its output unwritten)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    want = _value_and_grads(None)(f32(x), f32(w), gs, f32(cot))
-    for name, g, r in zip(("out", "dx", "dw"), got, want):
+    ragged = _value_and_grads(None)(f32(x), f32(w), gs, f32(cot))
+    total = int(np.sum(sizes))
+    for name, g, dense, r in zip(("out", "dx", "dw"), got, _dense_grouped(x, w, sizes, cot),
+                                 ragged):
         assert g.dtype == x.dtype, name
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * (1 + np.abs(r).max()),
-                                   err_msg=name)
-    total = int(np.sum(sizes))
+        tol = dict(rtol=rtol, atol=rtol * (1 + np.abs(dense).max()))
+        np.testing.assert_allclose(g, dense, err_msg=name + " against float64", **tol)
+        rows = slice(None) if name == "dw" else slice(0, total)
+        np.testing.assert_allclose(g[rows], r[rows], err_msg=name + " against ragged_dot", **tol)
     np.testing.assert_array_equal(np.asarray(got[0], np.float64)[total:], 0.0)  # past the groups
     np.testing.assert_array_equal(np.asarray(got[1], np.float64)[total:], 0.0)
 
@@ -158,7 +173,8 @@ def test_grouped_matmul_rejects_bad_input():
             "'drhs'), got ['backward']")
     _raises(lambda: gmm(x, w, gs, implementation="tokamax"),
             "grouped_matmul: implementation='tokamax' needs tokamax (pip install 'ep_comm[gpu]', "
-            "jax >= 0.11.1, or 'ep_comm[tpu]'), which does not import here"
+            f"jax >= 0.11.1, or 'ep_comm[tpu]'), which does not import here "
+            f"({gemm.tokamax_unavailable_reason()})"
             if not gemm.tokamax_available() else
             "grouped_matmul: implementation='tokamax' takes bfloat16 or float16 inputs, "
             "got float32")

@@ -42,6 +42,9 @@ def lowered_dispatch(mesh, n, backend, **kw):
 
 def test_portable_dispatch_gathers_only_counts_and_sends_T_rows_per_peer(mesh, n):
     ops = collectives_in(lowered_dispatch(mesh, n, "portable"))
+    if n == 1:  # one rank: the receive buffer is the tokens themselves (routes.is_local)
+        assert ops == []
+        return
     gathers = [t for op, t in ops if op == "all_gather"]
     assert gathers == [f"tensor<1x{2 * n}xi32>"]  # the n x n token/pair count matrix, nothing else
     a2a = [t for op, t in ops if op == "all_to_all"]
@@ -55,6 +58,9 @@ def test_xla_backend_lowers_to_native_ragged_all_to_all(mesh, n):
     if collectives.available()["xla"] is not None:
         pytest.skip(collectives.available()["xla"])
     ops = collectives_in(lowered_dispatch(mesh, n, "xla"))
+    if n == 1:  # one rank: nothing to exchange (routes.is_local)
+        assert ops == []
+        return
     # tokens, then weights and expert ids together
     assert sum(op == "ragged_all_to_all" for op, _ in ops) == 2
     assert not any(op == "all_to_all" and t.endswith(f"x{H}xbf16>") for op, t in ops)
