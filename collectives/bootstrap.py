@@ -63,8 +63,9 @@ def _version(code: int) -> str:
 
 
 def load(name: str):
-    """Return ``(module, None)`` for the native transport ``name`` ("mpi" or "nccl") or the row
-    kernels ("rows"), or ``(None, reason)`` when it is not usable in this process."""
+    """Return ``(module, None)`` for the native transport ``name`` ("mpi" or "nccl"), the row
+    kernels ("rows") or the grouped GEMM ("gemm"), or ``(None, reason)`` when it is not usable in
+    this process."""
     with _lock:
         if name in _modules:
             return _modules[name], None
@@ -76,7 +77,8 @@ def load(name: str):
             mod = importlib.import_module(f"collectives._ep_{name}")
             reason = _check(name, mod)
         except ImportError as e:
-            what = "row kernels are" if name == "rows" else f"{name} transport is"
+            what = {"rows": "row kernels are", "gemm": "grouped GEMM (CUTLASS, sm_90a) is"}.get(
+                name, f"{name} transport is")
             mod, reason = None, (f"the native {what} not built into this install "
                                  f"({e}); see docs/native_engine.md")
         if reason is not None:
@@ -87,7 +89,7 @@ def load(name: str):
 
 
 def _check(name: str, mod) -> str | None:
-    if name == "rows":
+    if name in ("rows", "gemm"):
         return None
     if name == "mpi":
         try:
@@ -130,6 +132,11 @@ def register_targets(name: str) -> None:
                 # XLA may put them in its CUDA graphs (one launch for many kernels)
                 jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),
                                             platform="CUDA", **command_buffer_traits())
+        elif name == "gemm":
+            # not in CUDA graphs: the handler takes XLA scratch memory and runs CUTLASS's host-side
+            # initialize on every call
+            jax.ffi.register_ffi_target("ep_comm_grouped_gemm", mod.grouped_gemm_handler(),
+                                        platform="CUDA")
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

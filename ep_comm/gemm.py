@@ -18,6 +18,11 @@ a GEMM whose contracting dimension is ragged). Implementations:
   not write rows past the groups; ``grouped_matmul`` zeroes them (a select that XLA fuses into the
   next elementwise op), so results never depend on which kernel ran and no uninitialised row
   reaches a later ``drhs``.
+- ``"cutlass"``: ep_comm's own grouped GEMM on Hopper (:mod:`collectives.grouped_gemm`: CUTLASS
+  3.x pointer-array kernels, sm_90a, built when the ``nvidia-cutlass`` headers are present),
+  bf16/f16 with K and N multiples of 8, every pass in the layout it is given (``dlhs`` reads ``w``
+  K-major in place, ``drhs`` reads ``x`` M-major in place: no transposes). Not yet the default:
+  it has not been measured on an H200 (``scripts/gpu_check.sh``'s ``gemm`` step).
 - ``"auto"`` (default): ``"tokamax"`` on a GPU or TPU backend when tokamax's kernel for it
   imports and the dtypes are 16-bit (on TPUs: and every dimension is at least 128), else
   ``"xla"``.
@@ -34,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from collectives import grouped_gemm
 from topology.jax_compat import match_vma
 
 PASSES = ("forward", "dlhs", "drhs")
-IMPLEMENTATIONS = ("auto", "xla", "tokamax")
+IMPLEMENTATIONS = ("auto", "xla", "tokamax", "cutlass")
 
 # ragged over the rows of lhs, rhs grouped over its leading axis: (M, K) x (G, K, N) -> (M, N)
 _RAGGED_ROWS = lax.RaggedDotDimensionNumbers(
@@ -121,6 +127,13 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
     if implementation == "auto":
         accelerator = jax.default_backend() in ("gpu", "tpu")
         return "tokamax" if accelerator and sixteen_bit and tokamax_available() else "xla"
+    if implementation == "cutlass":
+        why = grouped_gemm.available()
+        if why is not None:
+            raise ValueError(f"{api}: implementation='cutlass' does not run here: {why}")
+        if not sixteen_bit:
+            raise ValueError(f"{api}: implementation='cutlass' takes bfloat16 or float16 inputs, "
+                             f"got {jnp.dtype(dtype).name}")
     if implementation == "tokamax":
         if not tokamax_available():
             raise ValueError(f"{api}: implementation='tokamax' needs tokamax (pip install "
@@ -151,12 +164,20 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     own; default: :data:`TOKAMAX_CONFIGS` on Hopper, heuristics elsewhere).
 
     ``forward``/``dlhs``: ``(M, K) x (G, K, N) -> (M, N)`` grouped over the rows, zero past the
-    groups; ``drhs``: ``(M, K) x (M, N) -> (G, K, N)``, group ``g`` contracting its own rows."""
+    groups; ``dlhs``: ``(M, N) x (G, K, N) -> (M, K)``, ``dy @ w[g].T`` (``w`` as the forward
+    took it); ``drhs``: ``(M, K) x (M, N) -> (G, K, N)``, group ``g`` contracting its own rows."""
     if pass_name not in PASSES:
         raise ValueError(f"pass_kernel: pass_name must be one of {PASSES}, got {pass_name!r}")
     dims = _RAGGED_CONTRACTING if pass_name == "drhs" else _RAGGED_ROWS
+    if impl == "cutlass":
+        def cutlass(a, b, group_sizes, out_dtype, zero_tail=True):
+            return grouped_gemm.grouped_gemm(pass_name, a, b, group_sizes, zero_tail=zero_tail)
+        return cutlass
+    # the other kernels take dlhs's w transposed, (G, N, K): a copy XLA makes
+    prepare = (lambda b: jnp.swapaxes(b, 1, 2)) if pass_name == "dlhs" else (lambda b: b)
     if impl == "xla":
         def xla(a, b, group_sizes, out_dtype, zero_tail=True):
+            b = prepare(b)
             # 16-bit inputs: every precision is the same product; explicit, since XLA:TPU's
             # ragged dot fails to compile bf16 at a global jax_default_matmul_precision="highest"
             precision = lax.Precision.DEFAULT if _sixteen_bit(a.dtype) else None
@@ -174,6 +195,7 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     kernel = _tokamax_kernel(None if config == "heuristics" else tuple(sorted(config.items())))
 
     def tokamax(a, b, group_sizes, out_dtype, zero_tail=True):
+        b = prepare(b)
         # 16-bit inputs: every precision is the same product (explicit, so that a global
         # jax_default_matmul_precision does not make the kernel decline)
         out = kernel(a, b, group_sizes=group_sizes, ragged_dot_dimension_numbers=dims,
@@ -201,7 +223,7 @@ def _grouped_bwd(impls, out_dtype, zero_tail, res, dy):
     dy = dy.astype(x.dtype)  # kernels take one input dtype; they accumulate in float32
     if "tokamax" in impls[1:]:  # rows past the groups: zero, as the output's are (fused select)
         dy = _zero_past_groups(dy, group_sizes)
-    dx = pass_kernel("dlhs", impls[1])(dy, jnp.swapaxes(w, 1, 2), group_sizes, x.dtype)
+    dx = pass_kernel("dlhs", impls[1])(dy, w, group_sizes, x.dtype)
     dw = pass_kernel("drhs", impls[2])(x, dy, group_sizes, w.dtype)
     gs_cot = np.zeros(group_sizes.shape, jax.dtypes.float0)
     return match_vma(dx, x), match_vma(dw, w), gs_cot
@@ -266,6 +288,16 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
                              f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
                              f"{tuple(w.shape)}")
         impls = tuple("xla" if i == "tokamax" else i for i in impls)
+    if "cutlass" in impls:
+        for p, impl in zip(PASSES, impls):
+            a, b = {"forward": (x, w), "dlhs": (jax.ShapeDtypeStruct(
+                (x.shape[0], w.shape[2]), x.dtype), w), "drhs": (x, jax.ShapeDtypeStruct(
+                    (x.shape[0], w.shape[2]), x.dtype))}[p]
+            why = impl == "cutlass" and grouped_gemm.unsupported(p, a, b, out_dtype)
+            if why:
+                raise ValueError(f"{api}: implementation='cutlass' ({p}) cannot take x "
+                                 f"{x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} with "
+                                 f"preferred_element_type={out_dtype}: {why}")
     if not isinstance(zero_past_groups, bool):
         raise TypeError(f"{api}: zero_past_groups must be a bool, got "
                         f"{type(zero_past_groups).__name__}")

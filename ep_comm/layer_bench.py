@@ -85,6 +85,8 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
     impls = [("xla", None)]
     if gm.tokamax_available() and jnp.dtype(dtype).itemsize == 2:
         impls += [("tokamax", None), ("tokamax", "heuristics")]
+    if gm.grouped_gemm.available() is None and jnp.dtype(dtype).itemsize == 2:
+        impls += [("cutlass", None)]
     results, best = [], {}
     for name, k, n in (("up", hidden, 2 * inter), ("down", inter, hidden)):
         a = jnp.asarray(rng.standard_normal((rows, k)), dtype)
@@ -115,11 +117,12 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
             if pass_name == "drhs":
                 operands = (a, dy)
             else:
-                operands = (a, b) if pass_name == "forward" else (dy, jnp.swapaxes(b, 1, 2))
+                operands = (a, b) if pass_name == "forward" else (dy, b)  # (w as the forward took it)
             ref = None
             for impl, cfg in impls + [("tokamax", c) for c in candidates.get(pass_name, [])
                                       if len(impls) > 1 and gpu]:  # (Mosaic GPU configs)
-                label = f"{impl} {_label(cfg)}" if impl == "tokamax" else "lax.ragged_dot"
+                label = (f"{impl} {_label(cfg)}" if impl == "tokamax" else
+                         "ep_comm cutlass" if impl == "cutlass" else "lax.ragged_dot")
                 if impl == "xla" and gpu and len(impls) > 1:
                     results.append(dict(gemm=name, pass_=pass_name, impl=label, skipped=(
                         "on GPU a dense masked product over every group (the layer's forward "
@@ -230,8 +233,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                             x_dense=t / t_dense_f))
     del ex, handle
     gpu = jax.default_backend() == "gpu"
-    variants = [(implementation, True)]
-    if with_xla and gm.resolve(implementation, dtype) != "xla":
+    variants = [(impl, True) for impl in implementation.split(",")]  # e.g. "cutlass,tokamax"
+    if with_xla and all(gm.resolve(impl, dtype) != "xla" for impl, _ in variants):
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
@@ -265,7 +268,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         rep = dict(impl=label, gemm=gm.resolve(impl, dtype), pass_="fwd+bwd", time_us=t_b,
                    tflops=3 * fwd_flops / t_b / 1e6,
                    x_dense=t_b / t_dense_b, temp_bytes=getattr(mem, "temp_size_in_bytes", None))
-        if profile and impl == implementation:
+        if profile and impl == variants[0][0]:
             rep["trace"] = _profile_split(profile, bwd, (xs, ws, wis, wos, idss))
         print(f"  {label} fwd+bwd: {t_b:.1f} us, {t_b / t_dense_b:.2f}x dense", flush=True)
         results.append(rep)

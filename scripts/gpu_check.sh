@@ -6,7 +6,9 @@
 # discovery with NVML (`python -m topology`) and the cost model's `self` link calibrated from the
 # engine's exchange at four sizes. STEPS picks steps (default: all of
 # build,tests,exchange,dispatch,topology; `sanitize` -- compute-sanitizer memcheck of the row
-# kernels' tests -- and `layer` -- the MoE layer and grouped GEMM sweep with
+# kernels' tests -- `gemm` -- the CUTLASS grouped GEMM: build (nvidia-cutlass from .whl/),
+# selftest under compute-sanitizer, its tests, the layer and GEMM passes beside tokamax -- and
+# `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
 # (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
 # named); nvidia-ml-py is installed from wheels/ when the image
@@ -76,6 +78,31 @@ if step layer; then
   "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
     --topk 8 ${LAYER_ARGS:---tune} --profile /tmp/layer_profile --json "$OUT/layer.json" 2>&1 \
     | tee "$OUT/layer.txt"
+fi
+if step gemm; then
+  echo "== the CUTLASS grouped GEMM (sm_90a): build, selftest under compute-sanitizer, tests, layer"
+  # CUTLASS's headers travel as the nvidia-cutlass wheel in .whl/ (carry it; ../shared/NOTES.md),
+  # tokamax (the peer in the same run) as in the layer step
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
+  fi
+  t0=$(date +%s)
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
+    -DEP_COMM_CUTLASS_DIR=/tmp/ep_comm_site/cutlass_library/source > "$OUT/build_gemm.txt" 2>&1 \
+    && cmake --build build --target _ep_gemm gemm_layout_test >> "$OUT/build_gemm.txt" 2>&1 \
+    && cp build/collectives/csrc/_ep_gemm*.so collectives/ || { tail -30 "$OUT/build_gemm.txt"; exit 1; }
+  echo "built in $(( $(date +%s) - t0 )) s"
+  build/collectives/csrc/gemm_layout_test | tee "$OUT/gemm_layout.txt"
+  "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
+  compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
+    "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest())" \
+    2>&1 | tail -6 | tee "$OUT/gemm_sanitizer.txt"
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py -k "grouped" -rf 2>&1 | tail -12 \
+    | tee "$OUT/gemm_tests.txt"
+  "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
+    --topk 8 --implementation "${GEMM_IMPLS:-cutlass,tokamax}" --json "$OUT/layer_cutlass.json" \
+    2>&1 | tee "$OUT/layer_cutlass.txt"
 fi
 if step overlap; then
   echo "== MoE layer as a pipeline of chunks: tests, then the overlap bench at full and held-back self-copy speed"

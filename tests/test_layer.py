@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 
 import ep_comm
+from collectives import grouped_gemm
 from ep_comm import gemm
 from moe_reference import dense_swiglu_moe, routing
 
 pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
 
 T, K, H, I, I_SHARED = 16, 4, 8, 6, 5
+CUTLASS = pytest.mark.skipif(grouped_gemm.available() is not None,
+                             reason=f"the CUTLASS grouped GEMM: {grouped_gemm.available()}")
 TOKAMAX = pytest.mark.skipif(
     not (jax.default_backend() == "gpu" and gemm.tokamax_available()),
     reason="tokamax's GPU kernels need a CUDA backend and tokamax (pip install 'ep_comm[gpu]')")
@@ -166,8 +169,8 @@ def test_grouped_matmul_rejects_bad_input():
             "grouped_matmul: group_sizes must be an integer array of shape (groups,) = (3,), "
             "got float32 (3,)")
     _raises(lambda: gmm(x, w, gs, implementation="cublas"),
-            "grouped_matmul: implementation must be one of ('auto', 'xla', 'tokamax'), "
-            "got 'cublas'")
+            "grouped_matmul: implementation must be one of ('auto', 'xla', 'tokamax', "
+            "'cutlass'), got 'cublas'")
     _raises(lambda: gmm(x, w, gs, implementation={"backward": "xla"}),
             "grouped_matmul: implementation dict keys must be among ('forward', 'dlhs', "
             "'drhs'), got ['backward']")
@@ -180,6 +183,77 @@ def test_grouped_matmul_rejects_bad_input():
             "got float32")
     _raises(lambda: gmm(x, w, gs, zero_past_groups=1),
             "grouped_matmul: zero_past_groups must be a bool, got int")
+    if grouped_gemm.available() is not None:
+        _raises(lambda: gmm(x, w, gs, implementation="cutlass"),
+                "grouped_matmul: implementation='cutlass' does not run here: "
+                + grouped_gemm.available())
+    else:
+        _raises(lambda: gmm(x, w, gs, implementation="cutlass"),
+                "grouped_matmul: implementation='cutlass' takes bfloat16 or float16 inputs, "
+                "got float32")
+        xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+        _raises(lambda: gmm(xb, wb, gs, implementation={"forward": "cutlass"}),
+                "grouped_matmul: implementation='cutlass' (forward) cannot take x bfloat16 "
+                "(6, 4) and w (3, 4, 5) with preferred_element_type=bfloat16: the kernel needs "
+                "K and N to be multiples of 8, got K=4, N=5")
+
+
+def test_grouped_gemm_rules():
+    """The engine's call checks what its kernel takes before asking whether it runs here."""
+    a = jax.ShapeDtypeStruct((6, 16), jnp.float32)
+    b = jax.ShapeDtypeStruct((3, 16, 8), jnp.float32)
+    assert grouped_gemm.unsupported("forward", a, b, jnp.float32) == (
+        "the kernel takes bfloat16 or float16 operands of one dtype, got float32 and float32")
+    a16, b16 = (jax.ShapeDtypeStruct(v.shape, jnp.bfloat16) for v in (a, b))
+    assert grouped_gemm.unsupported("forward", a16, b16, jnp.bfloat16) is None
+    assert grouped_gemm.unsupported("forward", a16, b16, jnp.float32) == (
+        "the kernel writes the inputs' dtype bfloat16, not float32")
+    dy = jax.ShapeDtypeStruct((6, 12), jnp.bfloat16)
+    assert grouped_gemm.unsupported("drhs", a16, dy, jnp.bfloat16) == (
+        "the kernel needs K and N to be multiples of 8, got K=16, N=12")
+    assert grouped_gemm.out_shape("dlhs", (6, 8), (3, 16, 8), 3) == (6, 16)
+    assert grouped_gemm.out_shape("drhs", (6, 16), (6, 8), 3) == (3, 16, 8)
+    with pytest.raises(ValueError, match=re.escape(
+            "grouped_gemm: pass_name must be one of ('forward', 'dlhs', 'drhs'), got 'bwd'")):
+        grouped_gemm.grouped_gemm("bwd", jnp.zeros((6, 16), jnp.bfloat16),
+                                  jnp.zeros((3, 16, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32))
+    if grouped_gemm.available() is not None:
+        with pytest.raises(RuntimeError, match=re.escape(
+                "grouped_gemm: the CUTLASS grouped GEMM does not run here: "
+                + grouped_gemm.available())):
+            grouped_gemm.grouped_gemm("forward", jnp.zeros((6, 16), jnp.bfloat16),
+                                      jnp.zeros((3, 16, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32))
+
+
+@CUTLASS
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_grouped_matmul_cutlass_equals_ragged_dot_with_gradients(rng, grouping, dtype):
+    _check_against_ragged_dot(rng, GROUPINGS[grouping], dtype, "cutlass", rtol=2 ** -7)
+
+
+@CUTLASS
+def test_grouped_gemm_cutlass_selftest_and_determinism(rng):
+    """The kernels on malformed group sizes outside XLA (what compute-sanitizer runs), and the
+    same inputs giving the same bits twice, at a shape of several tiles and ragged groups."""
+    from collectives import bootstrap
+    assert bootstrap.load("gemm")[0].selftest() == 0
+    sizes = jnp.array([300, 0, 1, 700, 129, 0, 2000], jnp.int32)  # 3130 of 3200 rows
+    x = jnp.asarray(rng.standard_normal((3200, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((7, 512, 384)) / 16, jnp.bfloat16)
+    cot = jnp.asarray(rng.standard_normal((3200, 384)), jnp.bfloat16)
+    def f(x, w):
+        out, vjp = jax.vjp(lambda x, w: ep_comm.grouped_matmul(
+            x, w, sizes, implementation="cutlass"), x, w)
+        return (out,) + vjp(cot)
+    f = jax.jit(f)
+    first, second = f(x, w), f(x, w)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    want = _dense_grouped(x, w, np.asarray(sizes), cot)
+    for got, ref, name in zip(first, want, ("out", "dx", "dw")):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2 ** -7,
+                                   atol=2 ** -7 * (1 + np.abs(ref).max()), err_msg=name)
 
 
 # ---- moe_layer -----------------------------------------------------------------------------------

@@ -1,0 +1,16 @@
+// Python bindings of the grouped GEMM (nanobind): the FFI handler as a capsule.
+#include <nanobind/nanobind.h>
+
+#include "grouped_gemm.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_ep_gemm, m) {
+  m.doc() = "ep_comm grouped GEMM for the experts on Hopper (CUTLASS, sm_90a) as an XLA FFI handler";
+  m.def("grouped_gemm_handler",
+        []() { return nb::capsule(ep_comm::gemm::grouped_gemm_handler()); });
+  m.def("selftest", &ep_comm::gemm::selftest,
+        "Run the three passes on malformed and well-formed group sizes outside XLA (for "
+        "compute-sanitizer); returns the number of wrong output values, -1 when CUDA fails, -2 "
+        "when there is no Hopper GPU here.");
+}

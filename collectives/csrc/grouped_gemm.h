@@ -1,0 +1,15 @@
+// ep_comm's grouped GEMM for the experts on Hopper (sm_90a), built on CUTLASS 3.x: pointer-array
+// grouped problems on the warp-specialized TMA + GMMA kernels, the group sizes read on the device
+// (no host synchronization), as XLA FFI handlers. See grouped_gemm.cu for the passes and layouts.
+#pragma once
+
+namespace ep_comm::gemm {
+
+void* grouped_gemm_handler();  // XLA FFI handler ep_comm_grouped_gemm
+
+// Runs each pass on small malformed and well-formed problems outside XLA (for
+// compute-sanitizer); returns the number of wrong output values, -1 when CUDA fails, -2 when this
+// GPU (or none) is not a Hopper.
+long long selftest();
+
+}  // namespace ep_comm::gemm

@@ -1,0 +1,93 @@
+"""The experts' grouped GEMM of ep_comm's own on Hopper: CUTLASS 3.x kernels (sm_90a) behind the
+XLA FFI (``collectives/csrc/grouped_gemm.cu``, the module ``_ep_gemm``).
+
+One call runs one pass over ``G`` groups of rows (group ``g``: rows ``[off_g, off_g + s_g)``,
+``s_g = group_sizes[g]``, contiguous from row 0), float32 accumulation, the result in the inputs'
+dtype (bfloat16 or float16), in the layouts CUTLASS's Hopper mainloop reads natively, so that no
+operand is transposed in memory:
+
+- ``"forward"``: ``a (M, K)``, ``b (G, K, N)`` -> ``(M, N)``, ``out[r] = a[r] @ b[g]``;
+- ``"dlhs"``: ``a (M, N)``, ``b (G, K, N)`` -> ``(M, K)``, ``out[r] = a[r] @ b[g].T`` (``b`` read
+  K-major where it lies);
+- ``"drhs"``: ``a (M, K)``, ``b (M, N)`` -> ``(G, K, N)``, ``out[g] = a[rows of g].T @ b[rows of
+  g]`` (``a`` read M-major where it lies), zero for an empty group.
+
+The group sizes stay on the device (a setup kernel writes CUTLASS's per-group problems, pointers
+and strides; the persistent scheduler reads them there). Rows past the groups of ``forward`` and
+``dlhs`` are zero with ``zero_tail=True``, else unwritten. Malformed sizes are clamped (a negative
+size is 0; the groups end at row ``M``), so no kernel reaches outside its buffers.
+
+:func:`ep_comm.grouped_matmul` (``implementation="cutlass"``) is the user-facing entry point; this
+module is the engine's call and its rules.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from collectives import bootstrap
+
+PASSES = ("forward", "dlhs", "drhs")
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ALIGN = 8  # K and N in elements: 16-byte rows for TMA
+
+
+def available() -> str | None:
+    """None when the CUTLASS grouped GEMM runs here (built, a CUDA backend, a Hopper GPU), else
+    why not."""
+    reason = bootstrap.load("gemm")[1]
+    if reason is not None:
+        return reason
+    if jax.default_backend() != "gpu":
+        return f"it runs on CUDA GPUs, and the default backend is {jax.default_backend()}"
+    cc = str(getattr(jax.devices()[0], "compute_capability", "unknown"))
+    if not cc.startswith("9"):
+        return f"its kernels are sm_90a (Hopper), and this GPU's compute capability is {cc}"
+    return None
+
+
+def out_shape(pass_name: str, a_shape, b_shape, groups: int) -> tuple:
+    if pass_name == "forward":
+        return (a_shape[0], b_shape[2])
+    if pass_name == "dlhs":
+        return (a_shape[0], b_shape[1])
+    return (groups, a_shape[1], b_shape[1])
+
+
+def unsupported(pass_name: str, a, b, out_dtype) -> str | None:
+    """Why the kernel does not take these operands (None when it does): the dtypes, and K and N
+    as multiples of :data:`ALIGN`."""
+    if jnp.dtype(a.dtype) not in DTYPES or b.dtype != a.dtype:
+        return (f"the kernel takes bfloat16 or float16 operands of one dtype, got {a.dtype} and "
+                f"{b.dtype}")
+    if jnp.dtype(out_dtype) != jnp.dtype(a.dtype):
+        return f"the kernel writes the inputs' dtype {a.dtype}, not {jnp.dtype(out_dtype)}"
+    if pass_name == "forward":  # (K, N) of the operands
+        dims = (a.shape[1], b.shape[2])
+    elif pass_name == "dlhs":
+        dims = (b.shape[1], a.shape[1])
+    else:
+        dims = (a.shape[1], b.shape[1])
+    if any(d % ALIGN for d in dims):
+        return f"the kernel needs K and N to be multiples of {ALIGN}, got K={dims[0]}, N={dims[1]}"
+    return None
+
+
+def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True):
+    """One pass of the grouped GEMM (module docstring); raises ``ValueError`` for operands the
+    kernel does not take and ``RuntimeError`` where it does not run (:func:`available`)."""
+    if pass_name not in PASSES:
+        raise ValueError(f"grouped_gemm: pass_name must be one of {PASSES}, got {pass_name!r}")
+    why = unsupported(pass_name, a, b, a.dtype)
+    if why is not None:
+        raise ValueError(f"grouped_gemm: {why}")
+    why = available()
+    if why is not None:
+        raise RuntimeError(f"grouped_gemm: the CUTLASS grouped GEMM does not run here: {why}")
+    bootstrap.register_targets("gemm")
+    shape = out_shape(pass_name, a.shape, b.shape, group_sizes.shape[0])
+    call = jax.ffi.ffi_call("ep_comm_grouped_gemm", jax.ShapeDtypeStruct(shape, a.dtype))
+    return call(a, b, group_sizes.astype(jnp.int32), **{"pass": np.int64(PASSES.index(pass_name)),
+                                                          "zero_tail": np.int64(bool(zero_tail))})
