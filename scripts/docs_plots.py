@@ -9,7 +9,11 @@
   the same FLOPs in the same run (``docs/bench/h200x1_layer/layer.json``);
 - ``overlap_chunks.png``: the layer forward over the experts alone, by chunk count and kind,
   and the share of the exchange kernels' time that ran under an expert GEMM
-  (``docs/bench/h200x1_overlap/fourth_26d2ccf_overlap_shared2048_blocks4.json``).
+  (``docs/bench/h200x1_overlap/fourth_26d2ccf_overlap_shared2048_blocks4.json``);
+- ``tpu_layer.png``: on one TPU v5e chip, ``moe_layer`` and the plain JAX layer (argsort + gather,
+  the same ``lax.ragged_dot``) against dense einsums, forward and forward+backward, at H=2048 and
+  at a DeepSeek-V3-like H=7168 (``docs/bench/tpu_v5e/layer_ragged_dot.json``,
+  ``layer_H7168_ragged_dot.json``).
 
 The scale model's curve is ``docs/bench/scale_model/efficiency.png`` (``python -m topology.scale
 --png``).
@@ -92,8 +96,34 @@ def overlap_chunks(ax):
     ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8, loc="upper left")
 
 
+def tpu_layer(ax):
+    shapes = [("H=2048, I=1024", "layer_ragged_dot.json"),
+              ("H=7168, I=2048", "layer_H7168_ragged_dot.json")]
+    kinds = [("plain JAX layer (xla)", "plain JAX layer"),
+             ("moe_layer grouped_matmul=xla", "moe_layer")]
+    labels, series = [], {label: [] for _, label in kinds}
+    for shape, name in shapes:
+        by = {(r["impl"], r["pass_"]): r["time_us"] for r in _report("tpu_v5e", name)["results"]
+              if "time_us" in r}
+        for p in ("forward", "fwd+bwd"):
+            labels.append(f"{shape}\n{p}")
+            for impl, label in kinds:
+                series[label].append(by[(impl, p)] / by[("dense einsum (ceiling)", p)])
+    width = 0.38
+    for i, (label, values) in enumerate(series.items()):
+        xs = [j + (i - 0.5) * width for j in range(len(labels))]
+        ax.bar(xs, values, width, label=label)
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:.2f}x", (x, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("x dense einsums (same FLOPs)")
+    ax.set_title("MoE layer on one TPU v5e (T=4096, top-8 of 32, bf16, lax.ragged_dot)",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+
+
 PLOTS = {"dispatch_combine.png": dispatch_combine, "layer_vs_dense.png": layer_vs_dense,
-         "overlap_chunks.png": overlap_chunks}
+         "overlap_chunks.png": overlap_chunks, "tpu_layer.png": tpu_layer}
 
 
 def main(out: str) -> list[str]:
