@@ -30,6 +30,12 @@ import numpy as np
 from collectives import bootstrap
 
 PASSES = ("forward", "dlhs", "drhs")
+# The tile configs compiled in (collectives/csrc/grouped_gemm_impl.cuh): 0 cooperative (two
+# warpgroups on a 128x256 tile), 1 ping-pong (a 128x128 tile per warpgroup, one's epilogue under
+# the other's mainloop). The defaults per pass are a first guess, to be replaced by the H200 sweep
+# (layer_bench's GEMM rows): ping-pong for drhs, whose K is one group's rows.
+CONFIGS = (0, 1)
+DEFAULT_CONFIGS = {"forward": 0, "dlhs": 0, "drhs": 1}
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ALIGN = 8  # K and N in elements: 16-byte rows for TMA
 
@@ -75,11 +81,16 @@ def unsupported(pass_name: str, a, b, out_dtype) -> str | None:
     return None
 
 
-def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True):
-    """One pass of the grouped GEMM (module docstring); raises ``ValueError`` for operands the
+def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True,
+                 config: int | None = None):
+    """One pass of the grouped GEMM (module docstring) with tile config ``config`` (one of
+    :data:`CONFIGS`; default :data:`DEFAULT_CONFIGS`); raises ``ValueError`` for operands the
     kernel does not take and ``RuntimeError`` where it does not run (:func:`available`)."""
     if pass_name not in PASSES:
         raise ValueError(f"grouped_gemm: pass_name must be one of {PASSES}, got {pass_name!r}")
+    config = DEFAULT_CONFIGS[pass_name] if config is None else config
+    if config not in CONFIGS:
+        raise ValueError(f"grouped_gemm: config must be one of {CONFIGS}, got {config!r}")
     why = unsupported(pass_name, a, b, a.dtype)
     if why is not None:
         raise ValueError(f"grouped_gemm: {why}")
@@ -89,5 +100,6 @@ def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True):
     bootstrap.register_targets("gemm")
     shape = out_shape(pass_name, a.shape, b.shape, group_sizes.shape[0])
     call = jax.ffi.ffi_call("ep_comm_grouped_gemm", jax.ShapeDtypeStruct(shape, a.dtype))
-    return call(a, b, group_sizes.astype(jnp.int32), **{"pass": np.int64(PASSES.index(pass_name)),
-                                                          "zero_tail": np.int64(bool(zero_tail))})
+    attrs = {"pass": np.int64(PASSES.index(pass_name)), "zero_tail": np.int64(bool(zero_tail)),
+             "config": np.int64(config)}
+    return call(a, b, group_sizes.astype(jnp.int32), **attrs)

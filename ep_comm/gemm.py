@@ -159,19 +159,21 @@ def _zero_past_groups(out, group_sizes):
 
 
 def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
-    """The kernel of one pass as ``f(a, b, group_sizes, out_dtype)``; ``impl`` is ``"xla"`` or
-    ``"tokamax"`` (resolved), ``config`` a tokamax tile config or ``"heuristics"`` (tokamax's
-    own; default: :data:`TOKAMAX_CONFIGS` on Hopper, heuristics elsewhere).
+    """The kernel of one pass as ``f(a, b, group_sizes, out_dtype)``; ``impl`` is ``"xla"``,
+    ``"tokamax"`` or ``"cutlass"`` (resolved), ``config`` a tokamax tile config or
+    ``"heuristics"`` (tokamax's own; default: :data:`TOKAMAX_CONFIGS` on Hopper, heuristics
+    elsewhere), or for ``"cutlass"`` one of ``collectives.grouped_gemm.CONFIGS``.
 
-    ``forward``/``dlhs``: ``(M, K) x (G, K, N) -> (M, N)`` grouped over the rows, zero past the
+    ``forward``: ``(M, K) x (G, K, N) -> (M, N)`` grouped over the rows, zero past the
     groups; ``dlhs``: ``(M, N) x (G, K, N) -> (M, K)``, ``dy @ w[g].T`` (``w`` as the forward
     took it); ``drhs``: ``(M, K) x (M, N) -> (G, K, N)``, group ``g`` contracting its own rows."""
     if pass_name not in PASSES:
         raise ValueError(f"pass_kernel: pass_name must be one of {PASSES}, got {pass_name!r}")
     dims = _RAGGED_CONTRACTING if pass_name == "drhs" else _RAGGED_ROWS
-    if impl == "cutlass":
+    if impl == "cutlass":  # config: a tile config of collectives.grouped_gemm.CONFIGS
         def cutlass(a, b, group_sizes, out_dtype, zero_tail=True):
-            return grouped_gemm.grouped_gemm(pass_name, a, b, group_sizes, zero_tail=zero_tail)
+            return grouped_gemm.grouped_gemm(pass_name, a, b, group_sizes, zero_tail=zero_tail,
+                                             config=config)
         return cutlass
     # the other kernels take dlhs's w transposed, (G, N, K): a copy XLA makes
     prepare = (lambda b: jnp.swapaxes(b, 1, 2)) if pass_name == "dlhs" else (lambda b: b)
@@ -288,12 +290,12 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
                              f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
                              f"{tuple(w.shape)}")
         impls = tuple("xla" if i == "tokamax" else i for i in impls)
-    if "cutlass" in impls:
+    if "cutlass" in impls:  # what each pass's kernel would take (the backward's in x's dtype)
+        dy = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
+        operands = {"forward": (x, w, out_dtype), "dlhs": (dy, w, x.dtype),
+                    "drhs": (x, dy, x.dtype)}
         for p, impl in zip(PASSES, impls):
-            a, b = {"forward": (x, w), "dlhs": (jax.ShapeDtypeStruct(
-                (x.shape[0], w.shape[2]), x.dtype), w), "drhs": (x, jax.ShapeDtypeStruct(
-                    (x.shape[0], w.shape[2]), x.dtype))}[p]
-            why = impl == "cutlass" and grouped_gemm.unsupported(p, a, b, out_dtype)
+            why = impl == "cutlass" and grouped_gemm.unsupported(p, *operands[p])
             if why:
                 raise ValueError(f"{api}: implementation='cutlass' ({p}) cannot take x "
                                  f"{x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} with "

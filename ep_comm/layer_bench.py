@@ -86,7 +86,7 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
     if gm.tokamax_available() and jnp.dtype(dtype).itemsize == 2:
         impls += [("tokamax", None), ("tokamax", "heuristics")]
     if gm.grouped_gemm.available() is None and jnp.dtype(dtype).itemsize == 2:
-        impls += [("cutlass", None)]
+        impls += [("cutlass", c) for c in gm.grouped_gemm.CONFIGS]
     results, best = [], {}
     for name, k, n in (("up", hidden, 2 * inter), ("down", inter, hidden)):
         a = jnp.asarray(rng.standard_normal((rows, k)), dtype)
@@ -122,7 +122,8 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
             for impl, cfg in impls + [("tokamax", c) for c in candidates.get(pass_name, [])
                                       if len(impls) > 1 and gpu]:  # (Mosaic GPU configs)
                 label = (f"{impl} {_label(cfg)}" if impl == "tokamax" else
-                         "ep_comm cutlass" if impl == "cutlass" else "lax.ragged_dot")
+                         f"ep_comm cutlass config {cfg}" if impl == "cutlass" else
+                         "lax.ragged_dot")
                 if impl == "xla" and gpu and len(impls) > 1:
                     results.append(dict(gemm=name, pass_=pass_name, impl=label, skipped=(
                         "on GPU a dense masked product over every group (the layer's forward "

@@ -217,6 +217,11 @@ def test_grouped_gemm_rules():
             "grouped_gemm: pass_name must be one of ('forward', 'dlhs', 'drhs'), got 'bwd'")):
         grouped_gemm.grouped_gemm("bwd", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((3, 16, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match=re.escape(
+            "grouped_gemm: config must be one of (0, 1), got 2")):
+        grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
+                                  jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32),
+                                  config=2)
     if grouped_gemm.available() is not None:
         with pytest.raises(RuntimeError, match=re.escape(
                 "grouped_gemm: the CUTLASS grouped GEMM does not run here: "
@@ -230,6 +235,24 @@ def test_grouped_gemm_rules():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_grouped_matmul_cutlass_equals_ragged_dot_with_gradients(rng, grouping, dtype):
     _check_against_ragged_dot(rng, GROUPINGS[grouping], dtype, "cutlass", rtol=2 ** -7)
+
+
+@CUTLASS
+@pytest.mark.parametrize("config", grouped_gemm.CONFIGS)
+def test_grouped_gemm_every_tile_config_equals_the_dense_product(rng, config):
+    """Each pass with each compiled tile config, at sizes that are not multiples of a tile."""
+    sizes = np.array([130, 0, 1, 257], np.int32)  # 388 of 400 rows
+    x = jnp.asarray(rng.standard_normal((400, 136)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, 136, 264)) / 8, jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((400, 264)), jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    want = _dense_grouped(x, w, sizes, dy)
+    got = (grouped_gemm.grouped_gemm("forward", x, w, gs, config=config),
+           grouped_gemm.grouped_gemm("dlhs", dy, w, gs, config=config),
+           grouped_gemm.grouped_gemm("drhs", x, dy, gs, config=config))
+    for name, g, ref in zip(("forward", "dlhs", "drhs"), got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), ref, rtol=2 ** -7,
+                                   atol=2 ** -7 * (1 + np.abs(ref).max()), err_msg=name)
 
 
 @CUTLASS

@@ -1,8 +1,8 @@
 // ep_comm's grouped GEMM for the experts on Hopper (sm_90a), built on CUTLASS 3.x.
 //
 // Route: the C++ headers of the `nvidia-cutlass` wheel (collective builders, the pointer-array
-// grouped kernel with warp-specialized TMA loads and GMMA, KernelPtrArrayTmaWarpSpecializedCooperative),
-// not CUTLASS's Python DSL: the same XLA FFI + nanobind build as the engine's other kernels, no
+// grouped kernels with warp-specialized TMA loads and GMMA, cooperative and ping-pong: the tile
+// configs in grouped_gemm_impl.cuh, one picked per call), not CUTLASS's Python DSL: the same XLA FFI + nanobind build as the engine's other kernels, no
 // JIT at run time, and a module that is compiled once for sm_90a.
 //
 // One handler, three passes over G groups of rows (group g: rows [off_g, off_g + s_g) of the
@@ -20,281 +20,32 @@
 // Rows past the groups (forward, dlhs) are zeroed when zero_tail is set (else left unwritten);
 // drhs writes zeros for empty groups. Malformed group sizes are clamped (a negative size is 0, a
 // group ends at row M at the latest), so no kernel reads or writes outside its buffers.
-#include <cuda_runtime.h>
+#include "grouped_gemm_impl.cuh"
 
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/kernel_hardware_info.h"
-#include "cutlass/util/packed_stride.hpp"
 #include "grouped_gemm.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-using namespace cute;
 
 namespace ep_comm::gemm {
 namespace {
 
-enum Pass : int64_t { kForward = 0, kDlhs = 1, kDrhs = 2 };
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-using Problem = ProblemShape::UnderlyingProblemShape;
-
-// The module holds sm_90a code only (CMake: CUDA_ARCHITECTURES 90a): whether this GPU runs it.
-bool hopper() {
-  static const bool yes = [] {
-    int device = 0, major = 0;
-    return cudaGetDevice(&device) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-               cudaSuccess &&
-           major == 9;
-  }();
-  return yes;
-}
-
-// One CUTLASS kernel: inputs of Element with A's and B's layouts (CUTLASS's convention: A is
-// M x K, B is K x N; RowMajor/ColumnMajor name which index is contiguous), D row-major.
-template <class Element, class LayoutA, class LayoutB>
-struct Kernel {
-  using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16 bytes
-  using TileShape = Shape<_128, _256, _64>;
-  using ClusterShape = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlign,  // no source C
-      Element, LayoutD*, kAlign, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
-
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element,
-      LayoutB*, kAlign, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-  using StrideA = typename GemmKernel::InternalStrideA;
-  using StrideB = typename GemmKernel::InternalStrideB;
-  using StrideD = typename GemmKernel::InternalStrideD;
-};
-
-// The per-group arguments CUTLASS reads on the device, written by setup_kernel.
-template <class K>
-struct GroupArgs {
-  Problem* problems;
-  const typename K::Gemm::ElementA** a;
-  const typename K::Gemm::ElementB** b;
-  typename K::Gemm::ElementD** d;
-  typename K::StrideA* stride_a;
-  typename K::StrideB* stride_b;
-  typename K::StrideD* stride_d;
-  int32_t* sizes;  // the clamped group sizes (G), then their total
-};
-
-// The groups' CUTLASS arguments, walking the groups in order (G is the local expert count: tens
-// to hundreds), each size clamped so that every group lies inside the M rows. Host and device:
-// the layout test (EP_COMM_GEMM_LAYOUT_TEST) runs it on the host.
-template <class K, class E>
-CUTLASS_HOST_DEVICE void fill_groups(GroupArgs<K> g, const int32_t* group_sizes, int64_t G,
-                                     int64_t M, int64_t k_dim, int64_t n_dim, int pass,
-                                     const E* a, const E* b, E* d) {
-  int64_t off = 0;
-  for (int64_t i = 0; i < G; ++i) {
-    int64_t s = group_sizes[i];
-    s = s < 0 ? 0 : (s > M - off ? M - off : s);
-    g.sizes[i] = static_cast<int32_t>(s);
-    const int m = static_cast<int>(s), kk = static_cast<int>(k_dim), nn = static_cast<int>(n_dim);
-    if (pass == kForward) {  // (s x K) . (K x N)
-      g.problems[i] = Problem(m, nn, kk);
-      g.a[i] = a + off * k_dim;
-      g.b[i] = b + i * k_dim * n_dim;
-      g.d[i] = d + off * n_dim;
-      g.stride_a[i] = cutlass::make_cute_packed_stride(typename K::StrideA{}, {m, kk, 1});
-      g.stride_b[i] = cutlass::make_cute_packed_stride(typename K::StrideB{}, {nn, kk, 1});
-      g.stride_d[i] = cutlass::make_cute_packed_stride(typename K::StrideD{}, {m, nn, 1});
-    } else if (pass == kDlhs) {  // (s x N) . (N x K): B = w[g]^T, read K-major in place
-      g.problems[i] = Problem(m, kk, nn);
-      g.a[i] = a + off * n_dim;
-      g.b[i] = b + i * k_dim * n_dim;
-      g.d[i] = d + off * k_dim;
-      g.stride_a[i] = cutlass::make_cute_packed_stride(typename K::StrideA{}, {m, nn, 1});
-      g.stride_b[i] = cutlass::make_cute_packed_stride(typename K::StrideB{}, {kk, nn, 1});
-      g.stride_d[i] = cutlass::make_cute_packed_stride(typename K::StrideD{}, {m, kk, 1});
-    } else {  // drhs: (K x s) . (s x N); an empty group runs no tile (zeroed by zero_groups)
-      g.problems[i] = s == 0 ? Problem(0, nn, 0) : Problem(kk, nn, m);
-      g.a[i] = a + off * k_dim;
-      g.b[i] = b + off * n_dim;
-      g.d[i] = d + i * k_dim * n_dim;
-      g.stride_a[i] = cutlass::make_cute_packed_stride(typename K::StrideA{}, {kk, m, 1});
-      g.stride_b[i] = cutlass::make_cute_packed_stride(typename K::StrideB{}, {nn, m, 1});
-      g.stride_d[i] = cutlass::make_cute_packed_stride(typename K::StrideD{}, {kk, nn, 1});
-    }
-    off += s;
-  }
-  g.sizes[G] = static_cast<int32_t>(off);
-}
-
-template <class K, class E>
-__global__ void setup_kernel(GroupArgs<K> g, const int32_t* group_sizes, int64_t G, int64_t M,
-                             int64_t k_dim, int64_t n_dim, int pass, const E* a, const E* b,
-                             E* d) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    fill_groups<K, E>(g, group_sizes, G, M, k_dim, n_dim, pass, a, b, d);
-  }
-}
-
-// Rows [total, M) of a row-major (M, width) output to zero, 16 bytes at a time (width * 2 bytes
-// is a multiple of 16: checked by the handler).
-__global__ void zero_tail_kernel(uint4* out, const int32_t* total, int64_t M, int64_t units) {
-  const int64_t first = *total;
-  for (int64_t r = first + blockIdx.x; r < M; r += gridDim.x) {
-    for (int64_t u = threadIdx.x; u < units; u += blockDim.x) out[r * units + u] = uint4{0, 0, 0, 0};
-  }
-}
-
-// The (K, N) slabs of empty groups to zero.
-__global__ void zero_groups_kernel(uint4* out, const int32_t* sizes, int64_t units) {
-  if (sizes[blockIdx.y] != 0) return;
-  uint4* slab = out + blockIdx.y * units;
-  for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < units;
-       u += int64_t(gridDim.x) * blockDim.x) {
-    slab[u] = uint4{0, 0, 0, 0};
-  }
-}
-
-std::string cuda_str(cudaError_t e) { return std::string(cudaGetErrorString(e)); }
-
-int sm_count() {
-  static int count = [] {
-    int device = 0;
-    cudaGetDevice(&device);
-    return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-  }();
-  return count;
-}
-
-// Device memory for the handler: XLA's scratch allocator inside XLA, cudaMallocAsync outside
-// (the selftest).
-struct Memory {
-  virtual ~Memory() = default;
-  virtual void* get(size_t bytes) = 0;
-};
-
-template <class K, class E>
-ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, const E* b,
-                    const int32_t* group_sizes, E* d, int64_t G, int64_t M, int64_t k_dim,
-                    int64_t n_dim, bool zero_tail) {
-  using Gemm = typename K::Gemm;
-  GroupArgs<K> g;
-  auto take = [&](auto*& p, size_t count) {
-    p = static_cast<std::remove_reference_t<decltype(p)>>(mem.get(count * sizeof(*p)));
-    return p != nullptr;
-  };
-  if (!take(g.problems, G) || !take(g.a, G) || !take(g.b, G) || !take(g.d, G) ||
-      !take(g.stride_a, G) || !take(g.stride_b, G) || !take(g.stride_d, G) ||
-      !take(g.sizes, G + 1)) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "ep_comm grouped GEMM: no scratch memory for the group arguments");
-  }
-  setup_kernel<K, E><<<1, 1, 0, stream>>>(g, group_sizes, G, M, k_dim, n_dim, pass, a, b, d);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    return ffi::Error::Internal("ep_comm grouped GEMM: setup launch: " + cuda_str(e));
-  }
-  if (M > 0) {
-    using Elem = typename Gemm::ElementD;
-    typename Gemm::Arguments args;
-    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {static_cast<int>(G), g.problems, nullptr};
-    args.mainloop = {g.a, g.stride_a, g.b, g.stride_b};
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.thread.alpha_ptr = nullptr;
-    args.epilogue.thread.beta_ptr = nullptr;
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
-    args.epilogue.ptr_D = reinterpret_cast<Elem**>(g.d);
-    args.epilogue.dD = g.stride_d;
-    args.hw_info.device_id = 0;
-    cudaGetDevice(&args.hw_info.device_id);
-    args.hw_info.sm_count = sm_count();
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-      return ffi::Error::InvalidArgument(
-          "ep_comm grouped GEMM: CUTLASS cannot run this problem (K=" + std::to_string(k_dim) +
-          ", N=" + std::to_string(n_dim) + ")");
-    }
-    const size_t ws_bytes = Gemm::get_workspace_size(args);
-    void* ws = ws_bytes ? mem.get(ws_bytes) : nullptr;
-    if (ws_bytes && ws == nullptr) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "ep_comm grouped GEMM: no scratch memory for CUTLASS's workspace");
-    }
-    if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) {
-      return ffi::Error::Internal("ep_comm grouped GEMM: CUTLASS initialize failed");
-    }
-    if (gemm.run(stream) != cutlass::Status::kSuccess) {
-      return ffi::Error::Internal("ep_comm grouped GEMM: CUTLASS launch failed: " +
-                                  cuda_str(cudaGetLastError()));
-    }
-  }
-  if (pass == kDrhs) {
-    const int64_t units = k_dim * n_dim * int64_t(sizeof(E)) / 16;
-    if (G > 0 && units > 0) {
-      dim3 grid(static_cast<unsigned>((units + 255) / 256 < 64 ? (units + 255) / 256 : 64),
-                static_cast<unsigned>(G));
-      zero_groups_kernel<<<grid, 256, 0, stream>>>(reinterpret_cast<uint4*>(d), g.sizes, units);
-    }
-  } else if (zero_tail && M > 0) {
-    const int64_t width = pass == kForward ? n_dim : k_dim;
-    const int64_t units = width * int64_t(sizeof(E)) / 16;
-    const unsigned blocks = static_cast<unsigned>(M < 4096 ? M : 4096);
-    zero_tail_kernel<<<blocks, 128, 0, stream>>>(reinterpret_cast<uint4*>(d), g.sizes + G, M,
-                                                 units);
-  }
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal("ep_comm grouped GEMM: launch: " + cuda_str(e));
-  return ffi::Error::Success();
-}
+using namespace detail;
 
 template <class E>
-ffi::Error run_typed(cudaStream_t stream, Memory& mem, int pass, const void* a, const void* b,
-                     const int32_t* gs, void* d, int64_t G, int64_t M, int64_t k_dim,
-                     int64_t n_dim, bool zero_tail) {
-  using RowMajor = cutlass::layout::RowMajor;
-  using ColumnMajor = cutlass::layout::ColumnMajor;
+ffi::Error run_typed(cudaStream_t stream, Memory& mem, int pass, int config, const void* a,
+                     const void* b, const int32_t* gs, void* d, int64_t G, int64_t M,
+                     int64_t k_dim, int64_t n_dim, bool zero_tail) {
   auto ea = static_cast<const E*>(a);
   auto eb = static_cast<const E*>(b);
   auto ed = static_cast<E*>(d);
   switch (pass) {
     case kForward:
-      return run_pass<Kernel<E, RowMajor, RowMajor>, E>(stream, mem, pass, ea, eb, gs, ed, G, M,
-                                                        k_dim, n_dim, zero_tail);
+      return run_pass_cfg<E, kForward>(config, stream, mem, ea, eb, gs, ed, G, M, k_dim, n_dim,
+                                       zero_tail);
     case kDlhs:
-      return run_pass<Kernel<E, RowMajor, ColumnMajor>, E>(stream, mem, pass, ea, eb, gs, ed, G,
-                                                           M, k_dim, n_dim, zero_tail);
+      return run_pass_cfg<E, kDlhs>(config, stream, mem, ea, eb, gs, ed, G, M, k_dim, n_dim,
+                                    zero_tail);
     default:
-      return run_pass<Kernel<E, ColumnMajor, RowMajor>, E>(stream, mem, pass, ea, eb, gs, ed, G,
-                                                           M, k_dim, n_dim, zero_tail);
+      return run_pass_cfg<E, kDrhs>(config, stream, mem, ea, eb, gs, ed, G, M, k_dim, n_dim,
+                                    zero_tail);
   }
 }
 
@@ -318,11 +69,17 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
                        ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t pass, int64_t zero_tail) {
+                       ffi::Result<ffi::AnyBuffer> out, int64_t pass, int64_t zero_tail,
+                       int64_t config) {
   if (!hopper()) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "ep_comm grouped GEMM: its kernels are sm_90a (Hopper) only, and this GPU "
                       "is not a Hopper");
+  }
+  if (config < 0 || config >= kConfigs) {
+    return ffi::Error::InvalidArgument("ep_comm grouped GEMM: config must be in [0, " +
+                                       std::to_string(kConfigs) + "), got " +
+                                       std::to_string(config));
   }
   const auto dt = a.element_type();
   if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || b.element_type() != dt ||
@@ -369,11 +126,13 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   if (out->element_count() == 0) return ffi::Error::Success();
   ScratchMemory mem(scratch);
   if (dt == ffi::DataType::BF16) {
-    return run_typed<cutlass::bfloat16_t>(stream, mem, static_cast<int>(pass), a.untyped_data(),
+    return run_typed<cutlass::bfloat16_t>(stream, mem, static_cast<int>(pass),
+                                          static_cast<int>(config), a.untyped_data(),
                                           b.untyped_data(), group_sizes.typed_data(),
                                           out->untyped_data(), G, M, k_dim, n_dim, zero_tail != 0);
   }
-  return run_typed<cutlass::half_t>(stream, mem, static_cast<int>(pass), a.untyped_data(),
+  return run_typed<cutlass::half_t>(stream, mem, static_cast<int>(pass),
+                                    static_cast<int>(config), a.untyped_data(),
                                     b.untyped_data(), group_sizes.typed_data(),
                                     out->untyped_data(), G, M, k_dim, n_dim, zero_tail != 0);
 }
@@ -389,7 +148,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupedGemm, GroupedGemm,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<int64_t>("pass")         // 0 forward, 1 dlhs, 2 drhs
-                                  .Attr<int64_t>("zero_tail"));  // forward/dlhs: zero past groups
+                                  .Attr<int64_t>("zero_tail")   // forward/dlhs: zero past groups
+                                  .Attr<int64_t>("config"));    // tile config (impl header)
 
 void* grouped_gemm_handler() { return reinterpret_cast<void*>(kGroupedGemm); }
 
@@ -441,6 +201,7 @@ long long selftest() {
   cudaStream_t s;
   if (cudaStreamCreate(&s) != cudaSuccess) return -1;
   long long wrong = 0;
+  for (int config = 0; config < kConfigs; ++config)
   for (const auto& sizes_in : cases) {
     int32_t clamped[4];
     int64_t off = 0;
@@ -464,11 +225,11 @@ long long selftest() {
     void* out_r = mem.get(G * K * N * 2);
     if (!dx || !dw || !ddy || !dgs || !out_f || !out_l || !out_r) return -1;
     const auto* gs = static_cast<const int32_t*>(dgs);
-    bool ok = run_typed<cutlass::bfloat16_t>(s, mem, kForward, dx, dw, gs, out_f, G, M, K, N, true)
+    bool ok = run_typed<cutlass::bfloat16_t>(s, mem, kForward, config, dx, dw, gs, out_f, G, M, K, N, true)
                   .success() &&
-              run_typed<cutlass::bfloat16_t>(s, mem, kDlhs, ddy, dw, gs, out_l, G, M, K, N, true)
+              run_typed<cutlass::bfloat16_t>(s, mem, kDlhs, config, ddy, dw, gs, out_l, G, M, K, N, true)
                   .success() &&
-              run_typed<cutlass::bfloat16_t>(s, mem, kDrhs, dx, ddy, gs, out_r, G, M, K, N, false)
+              run_typed<cutlass::bfloat16_t>(s, mem, kDrhs, config, dx, ddy, gs, out_r, G, M, K, N, false)
                   .success();
     std::vector<uint16_t> hf(M * N), hl(M * K), hr(G * K * N);
     cudaMemcpyAsync(hf.data(), out_f, hf.size() * 2, cudaMemcpyDeviceToHost, s);
@@ -518,6 +279,8 @@ long long selftest() {
 
 namespace ep_comm::gemm {
 namespace {
+
+using namespace detail;
 
 template <class K, class E>
 long long check_pass(int pass, const std::vector<int32_t>& sizes, int64_t M, int64_t k_dim,
@@ -604,6 +367,7 @@ long long check_pass(int pass, const std::vector<int32_t>& sizes, int64_t M, int
 
 int main() {
   using namespace ep_comm::gemm;
+  using namespace ep_comm::gemm::detail;
   using E = cutlass::bfloat16_t;
   using RowMajor = cutlass::layout::RowMajor;
   using ColumnMajor = cutlass::layout::ColumnMajor;
