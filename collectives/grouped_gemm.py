@@ -23,6 +23,8 @@ module is the engine's call and its rules.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,8 +100,19 @@ def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True,
     if why is not None:
         raise RuntimeError(f"grouped_gemm: the CUTLASS grouped GEMM does not run here: {why}")
     bootstrap.register_targets("gemm")
-    shape = out_shape(pass_name, a.shape, b.shape, group_sizes.shape[0])
-    call = jax.ffi.ffi_call("ep_comm_grouped_gemm", jax.ShapeDtypeStruct(shape, a.dtype))
-    attrs = {"pass": np.int64(PASSES.index(pass_name)), "zero_tail": np.int64(bool(zero_tail)),
+    index, groups = PASSES.index(pass_name), group_sizes.shape[0]
+    shape = out_shape(pass_name, a.shape, b.shape, groups)
+    # the workspace (group arguments, CUTLASS's tensor maps) as a second result: XLA allocates
+    # it with the program's buffers, so it lives as long as the kernels that use it
+    call = jax.ffi.ffi_call("ep_comm_grouped_gemm", (
+        jax.ShapeDtypeStruct(shape, a.dtype),
+        jax.ShapeDtypeStruct((workspace_bytes(index, config, groups),), jnp.uint8)))
+    attrs = {"pass": np.int64(index), "zero_tail": np.int64(bool(zero_tail)),
              "config": np.int64(config)}
-    return call(a, b, group_sizes.astype(jnp.int32), **attrs)
+    return call(a, b, group_sizes.astype(jnp.int32), **attrs)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def workspace_bytes(pass_index: int, config: int, groups: int) -> int:
+    """Bytes of the workspace one call takes (asks the module, which asks the GPU)."""
+    return int(bootstrap.load("gemm")[0].workspace_bytes(pass_index, config, groups))

@@ -9,6 +9,9 @@ NB_MODULE(_ep_gemm, m) {
   m.doc() = "ep_comm grouped GEMM for the experts on Hopper (CUTLASS, sm_90a) as an XLA FFI handler";
   m.def("grouped_gemm_handler",
         []() { return nb::capsule(ep_comm::gemm::grouped_gemm_handler()); });
+  m.def("workspace_bytes", &ep_comm::gemm::workspace_bytes, nb::arg("pass_index"),
+        nb::arg("config"), nb::arg("groups"),
+        "Bytes of the workspace result one call needs (queries the GPU's SM count).");
   m.def("selftest", &ep_comm::gemm::selftest,
         "Run the three passes on malformed and well-formed group sizes outside XLA (for "
         "compute-sanitizer); returns the number of wrong output values, -1 when CUDA fails, -2 "

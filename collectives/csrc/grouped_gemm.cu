@@ -49,14 +49,23 @@ ffi::Error run_typed(cudaStream_t stream, Memory& mem, int pass, int config, con
   }
 }
 
-struct ScratchMemory : Memory {
-  explicit ScratchMemory(ffi::ScratchAllocator& s) : scratch(s) {}
-  void* get(size_t bytes) override {
-    auto p = scratch.Allocate(bytes, 128);
-    return p.has_value() ? *p : nullptr;
+}  // namespace
+
+size_t workspace_bytes(int64_t pass, int64_t config, int64_t groups) {
+  using BF = cutlass::bfloat16_t;
+  using F16 = cutlass::half_t;
+  const int c = static_cast<int>(config);
+  switch (pass) {  // either dtype's kernels (the same sizes in practice)
+    case kForward:
+      return std::max(workspace_cfg<BF, kForward>(c, groups), workspace_cfg<F16, kForward>(c, groups));
+    case kDlhs:
+      return std::max(workspace_cfg<BF, kDlhs>(c, groups), workspace_cfg<F16, kDlhs>(c, groups));
+    default:
+      return std::max(workspace_cfg<BF, kDrhs>(c, groups), workspace_cfg<F16, kDrhs>(c, groups));
   }
-  ffi::ScratchAllocator& scratch;
-};
+}
+
+namespace {
 
 std::string dims_str(const ffi::AnyBuffer& b) {
   std::string s = "(";
@@ -67,9 +76,9 @@ std::string dims_str(const ffi::AnyBuffer& b) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
-                       ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t pass, int64_t zero_tail,
+ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                       ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> workspace, int64_t pass, int64_t zero_tail,
                        int64_t config) {
   if (!hopper()) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -124,7 +133,17 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
     return ffi::Error::InvalidArgument("ep_comm grouped GEMM: buffers must be 16-byte aligned");
   }
   if (out->element_count() == 0) return ffi::Error::Success();
-  ScratchMemory mem(scratch);
+  const size_t need = workspace_bytes(pass, config, G);
+  if (workspace->size_bytes() < need) {
+    return ffi::Error::InvalidArgument(
+        "ep_comm grouped GEMM: the workspace result holds " +
+        std::to_string(workspace->size_bytes()) + " bytes, the call needs " +
+        std::to_string(need) + " (collectives.grouped_gemm sizes it with workspace_bytes)");
+  }
+  if (!aligned16(workspace->untyped_data())) {
+    return ffi::Error::InvalidArgument("ep_comm grouped GEMM: the workspace must be 16-byte aligned");
+  }
+  BufferMemory mem(workspace->untyped_data(), workspace->size_bytes());
   if (dt == ffi::DataType::BF16) {
     return run_typed<cutlass::bfloat16_t>(stream, mem, static_cast<int>(pass),
                                           static_cast<int>(config), a.untyped_data(),
@@ -142,11 +161,11 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupedGemm, GroupedGemm,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()         // a
                                   .Arg<ffi::AnyBuffer>()         // b
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
                                   .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::AnyBuffer>()         // workspace (u8, workspace_bytes)
                                   .Attr<int64_t>("pass")         // 0 forward, 1 dlhs, 2 drhs
                                   .Attr<int64_t>("zero_tail")   // forward/dlhs: zero past groups
                                   .Attr<int64_t>("config"));    // tile config (impl header)

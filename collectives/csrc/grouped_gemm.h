@@ -3,9 +3,17 @@
 // (no host synchronization), as XLA FFI handlers. See grouped_gemm.cu for the passes and layouts.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 namespace ep_comm::gemm {
 
 void* grouped_gemm_handler();  // XLA FFI handler ep_comm_grouped_gemm
+
+// Bytes of the workspace result one call of `pass` (0 forward, 1 dlhs, 2 drhs) with tile config
+// `config` over `groups` groups needs (the group arguments and CUTLASS's own; queries the GPU's
+// SM count).
+size_t workspace_bytes(int64_t pass, int64_t config, int64_t groups);
 
 // Runs each pass on small malformed and well-formed problems outside XLA (for
 // compute-sanitizer); returns the number of wrong output values, -1 when CUDA fails, -2 when this

@@ -192,6 +192,62 @@ struct Memory {
   virtual void* get(size_t bytes) = 0;
 };
 
+constexpr size_t kAlignBytes = 128;
+inline size_t aligned_bytes(size_t bytes) { return (bytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
+
+// The workspace buffer XLA allocates as a second result (its size from workspace_bytes at trace
+// time), handed out in 128-byte aligned pieces.
+struct BufferMemory : Memory {
+  BufferMemory(void* base, size_t size) : base(static_cast<uint8_t*>(base)), size(size) {}
+  void* get(size_t bytes) override {
+    if (used + aligned_bytes(bytes) > size) return nullptr;
+    void* p = base + used;
+    used += aligned_bytes(bytes);
+    return p;
+  }
+  uint8_t* base;
+  size_t size, used = 0;
+};
+
+// The per-group arrays run_pass takes, in the order it takes them.
+template <class K>
+size_t group_args_bytes(int64_t G) {
+  return 3 * aligned_bytes(G * sizeof(void*)) + aligned_bytes(G * sizeof(Problem)) +
+         aligned_bytes(G * sizeof(typename K::StrideA)) +
+         aligned_bytes(G * sizeof(typename K::StrideB)) +
+         aligned_bytes(G * sizeof(typename K::StrideD)) + aligned_bytes((G + 1) * sizeof(int32_t));
+}
+
+// CUTLASS's arguments for G groups whose problems, pointers and strides are on the device (the
+// pointers are null when only the workspace size is asked for).
+template <class K>
+typename K::Gemm::Arguments gemm_arguments(const GroupArgs<K>& g, int64_t G) {
+  using Gemm = typename K::Gemm;
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(G), g.problems, nullptr};
+  args.mainloop = {g.a, g.stride_a, g.b, g.stride_b};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.thread.alpha_ptr = nullptr;
+  args.epilogue.thread.beta_ptr = nullptr;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = g.d;
+  args.epilogue.dD = g.stride_d;
+  args.hw_info.device_id = 0;
+  cudaGetDevice(&args.hw_info.device_id);
+  args.hw_info.sm_count = sm_count();
+  return args;
+}
+
+// Bytes of workspace one call with G groups takes: the group arrays and CUTLASS's own.
+template <class K>
+size_t workspace_size(int64_t G) {
+  GroupArgs<K> none{};
+  return group_args_bytes<K>(G) + aligned_bytes(K::Gemm::get_workspace_size(gemm_arguments<K>(none, G)));
+}
+
 template <class K, class E>
 ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, const E* b,
                     const int32_t* group_sizes, E* d, int64_t G, int64_t M, int64_t k_dim,
@@ -206,7 +262,7 @@ ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, cons
       !take(g.stride_a, G) || !take(g.stride_b, G) || !take(g.stride_d, G) ||
       !take(g.sizes, G + 1)) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "ep_comm grouped GEMM: no scratch memory for the group arguments");
+                      "ep_comm grouped GEMM: the workspace has no room for the group arguments");
   }
   setup_kernel<K, E><<<1, 1, 0, stream>>>(g, group_sizes, G, M, k_dim, n_dim, pass, a, b, d);
   cudaError_t e = cudaGetLastError();
@@ -214,22 +270,7 @@ ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, cons
     return ffi::Error::Internal("ep_comm grouped GEMM: setup launch: " + cuda_str(e));
   }
   if (M > 0) {
-    using Elem = typename Gemm::ElementD;
-    typename Gemm::Arguments args;
-    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {static_cast<int>(G), g.problems, nullptr};
-    args.mainloop = {g.a, g.stride_a, g.b, g.stride_b};
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.thread.alpha_ptr = nullptr;
-    args.epilogue.thread.beta_ptr = nullptr;
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
-    args.epilogue.ptr_D = reinterpret_cast<Elem**>(g.d);
-    args.epilogue.dD = g.stride_d;
-    args.hw_info.device_id = 0;
-    cudaGetDevice(&args.hw_info.device_id);
-    args.hw_info.sm_count = sm_count();
+    typename Gemm::Arguments args = gemm_arguments<K>(g, G);
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
       return ffi::Error::InvalidArgument(
@@ -240,7 +281,7 @@ ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, cons
     void* ws = ws_bytes ? mem.get(ws_bytes) : nullptr;
     if (ws_bytes && ws == nullptr) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "ep_comm grouped GEMM: no scratch memory for CUTLASS's workspace");
+                        "ep_comm grouped GEMM: the workspace has no room for CUTLASS's own");
     }
     if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) {
       return ffi::Error::Internal("ep_comm grouped GEMM: CUTLASS initialize failed");
@@ -301,13 +342,22 @@ ffi::Error run_pass_cfg(int config, cudaStream_t stream, Memory& mem, const E* a
       stream, mem, P, a, b, group_sizes, d, G, M, k_dim, n_dim, zero_tail);
 }
 
+template <class E, int P>
+size_t workspace_cfg(int config, int64_t G) {
+  using L = PassLayouts<P>;
+  if (config == 1) return workspace_size<Kernel<E, typename L::A, typename L::B, Pingpong>>(G);
+  return workspace_size<Kernel<E, typename L::A, typename L::B, Cooperative>>(G);
+}
+
 #define EP_COMM_GEMM_INSTANCES(EXTERN, P)                                                     \
   EXTERN template ffi::Error run_pass_cfg<cutlass::bfloat16_t, P>(                           \
       int, cudaStream_t, Memory&, const cutlass::bfloat16_t*, const cutlass::bfloat16_t*,     \
       const int32_t*, cutlass::bfloat16_t*, int64_t, int64_t, int64_t, int64_t, bool);        \
   EXTERN template ffi::Error run_pass_cfg<cutlass::half_t, P>(                               \
       int, cudaStream_t, Memory&, const cutlass::half_t*, const cutlass::half_t*,             \
-      const int32_t*, cutlass::half_t*, int64_t, int64_t, int64_t, int64_t, bool);
+      const int32_t*, cutlass::half_t*, int64_t, int64_t, int64_t, int64_t, bool);        \
+  EXTERN template size_t workspace_cfg<cutlass::bfloat16_t, P>(int, int64_t);                \
+  EXTERN template size_t workspace_cfg<cutlass::half_t, P>(int, int64_t);
 
 EP_COMM_GEMM_INSTANCES(extern, kForward)
 EP_COMM_GEMM_INSTANCES(extern, kDlhs)
