@@ -133,8 +133,8 @@ def register_targets(name: str) -> None:
                 jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),
                                             platform="CUDA", **command_buffer_traits())
         elif name == "gemm":
-            # not in CUDA graphs: the handler takes XLA scratch memory and runs CUTLASS's host-side
-            # initialize on every call
+            # not in CUDA graphs: the handler runs CUTLASS's host-side initialize (the kernel
+            # parameters, the tensor maps' workspace) on every call
             jax.ffi.register_ffi_target("ep_comm_grouped_gemm", mod.grouped_gemm_handler(),
                                         platform="CUDA")
         else:

@@ -117,7 +117,8 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
             if pass_name == "drhs":
                 operands = (a, dy)
             else:
-                operands = (a, b) if pass_name == "forward" else (dy, b)  # (w as the forward took it)
+                # dlhs takes w as the forward did (a kernel needing it transposed pays for that)
+                operands = (a, b) if pass_name == "forward" else (dy, b)
             ref = None
             for impl, cfg in impls + [("tokamax", c) for c in candidates.get(pass_name, [])
                                       if len(impls) > 1 and gpu]:  # (Mosaic GPU configs)

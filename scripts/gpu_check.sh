@@ -24,6 +24,13 @@ STEPS=",${STEPS:-build,tests,exchange,dispatch,topology},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+# the wheels carried in .whl/ (tokamax and its needs, nvidia-cutlass), after the image's own jax
+install_wheels() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
+  fi
+}
 step build && { echo "== build (the package's CMake project, copied in-tree so PYTHONPATH finds it)"
 t0=$(date +%s)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
@@ -68,10 +75,7 @@ if step layer; then
   echo "== MoE layer: grouped GEMM passes (tokamax tile sweep) and the layer, DeepSeek-V3 EP8 rank"
   # tokamax travels as wheels in .whl/ (carry it; ../shared/NOTES.md), its xprof import as a stub
   # in .gpu/ (benchmarking only)
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
-  fi
+  install_wheels
   "$PY" -c "from ep_comm import gemm; print('tokamax:', gemm.tokamax_available())"
   [ "${LAYER_TESTS:-1}" = 0 ] || "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py 2>&1 \
     | tail -5 | tee "$OUT/layer_tests.txt"
@@ -83,10 +87,7 @@ if step gemm; then
   echo "== the CUTLASS grouped GEMM (sm_90a): build, selftest under compute-sanitizer, tests, layer"
   # CUTLASS's headers travel as the nvidia-cutlass wheel in .whl/ (carry it; ../shared/NOTES.md),
   # tokamax (the peer in the same run) as in the layer step
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
-  fi
+  install_wheels
   t0=$(date +%s)
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
     -DEP_COMM_CUTLASS_DIR=/tmp/ep_comm_site/cutlass_library/source > "$OUT/build_gemm.txt" 2>&1 \
@@ -106,10 +107,7 @@ if step gemm; then
 fi
 if step overlap; then
   echo "== MoE layer as a pipeline of chunks: tests, then the overlap bench at full and held-back self-copy speed"
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
-  fi
+  install_wheels
   "$PY" -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_layer.py 2>&1 | tail -3 \
     | tee "$OUT/overlap_tests.txt"
   # B: the self copy's blocks (0: full speed; 4: a stand-in for a peer link), S: shared expert
