@@ -234,6 +234,39 @@ def _grouped_bwd(impls, out_dtype, zero_tail, res, dy):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+def pass_implementations(implementation, x, w, out_dtype=None, api: str = "grouped_matmul"):
+    """The kernel each pass of ``grouped_matmul(x, w, ..., implementation=implementation)`` runs:
+    a tuple over :data:`PASSES` of resolved names (``x`` and ``w`` may be shape structs).
+    Raises ``ValueError`` for a choice these operands cannot take."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if isinstance(implementation, dict):
+        unknown = set(implementation) - set(PASSES)
+        if unknown:
+            raise ValueError(f"{api}: implementation dict keys must be among {PASSES}, "
+                             f"got {sorted(unknown)}")
+        choice = [implementation.get(p, "auto") for p in PASSES]
+    else:
+        choice = [implementation] * len(PASSES)
+    impls = tuple(resolve(c, x.dtype, api) for c in choice)
+    if "tokamax" in impls and _tpu_too_small(x, w):  # (auto: ragged_dot; asked for: an error)
+        if "tokamax" in choice:
+            raise ValueError(f"{api}: implementation='tokamax' on TPU needs every dimension of x "
+                             f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
+                             f"{tuple(w.shape)}")
+        impls = tuple("xla" if i == "tokamax" else i for i in impls)
+    if "cutlass" in impls:  # what each pass's kernel would take (the backward's in x's dtype)
+        dy = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
+        operands = {"forward": (x, w, out_dtype), "dlhs": (dy, w, x.dtype),
+                    "drhs": (x, dy, x.dtype)}
+        for p, impl in zip(PASSES, impls):
+            why = impl == "cutlass" and grouped_gemm.unsupported(p, *operands[p])
+            if why:
+                raise ValueError(f"{api}: implementation='cutlass' ({p}) cannot take x "
+                                 f"{x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} with "
+                                 f"preferred_element_type={out_dtype}: {why}")
+    return impls
+
+
 def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
                    implementation: str | dict = "auto", zero_past_groups: bool = True):
     """Grouped GEMM with ``jax.lax.ragged_dot`` semantics; differentiable in ``x`` and ``w``.
@@ -275,31 +308,7 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
         raise ValueError(f"{api}: group_sizes must be an integer array of shape (groups,) = "
                          f"({w.shape[0]},), got {group_sizes.dtype} {tuple(group_sizes.shape)}")
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
-    if isinstance(implementation, dict):
-        unknown = set(implementation) - set(PASSES)
-        if unknown:
-            raise ValueError(f"{api}: implementation dict keys must be among {PASSES}, "
-                             f"got {sorted(unknown)}")
-        choice = [implementation.get(p, "auto") for p in PASSES]
-    else:
-        choice = [implementation] * len(PASSES)
-    impls = tuple(resolve(c, x.dtype, api) for c in choice)
-    if "tokamax" in impls and _tpu_too_small(x, w):  # (auto: ragged_dot; asked for: an error)
-        if "tokamax" in choice:
-            raise ValueError(f"{api}: implementation='tokamax' on TPU needs every dimension of x "
-                             f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
-                             f"{tuple(w.shape)}")
-        impls = tuple("xla" if i == "tokamax" else i for i in impls)
-    if "cutlass" in impls:  # what each pass's kernel would take (the backward's in x's dtype)
-        dy = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
-        operands = {"forward": (x, w, out_dtype), "dlhs": (dy, w, x.dtype),
-                    "drhs": (x, dy, x.dtype)}
-        for p, impl in zip(PASSES, impls):
-            why = impl == "cutlass" and grouped_gemm.unsupported(p, *operands[p])
-            if why:
-                raise ValueError(f"{api}: implementation='cutlass' ({p}) cannot take x "
-                                 f"{x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} with "
-                                 f"preferred_element_type={out_dtype}: {why}")
+    impls = pass_implementations(implementation, x, w, out_dtype, api)
     if not isinstance(zero_past_groups, bool):
         raise TypeError(f"{api}: zero_past_groups must be a bool, got "
                         f"{type(zero_past_groups).__name__}")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ep_comm.config import EPConfig
-from ep_comm.gemm import grouped_matmul
+from ep_comm.gemm import grouped_matmul, pass_implementations
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids
 from ep_comm.moe import check_float, combine, dispatch
@@ -64,7 +64,15 @@ def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto", *,
     groups: zero, or unspecified with ``zero_past_groups=False`` (one pass over the output less:
     :func:`ep_comm.grouped_matmul`), as :func:`moe_layer` runs them (combine reads only the
     groups' rows)."""
-    u = grouped_matmul(expert_x, w_in, group_sizes, implementation=implementation)
+    # u's rows past the groups matter only to a weight-gradient kernel that reads them: tokamax's
+    # masks rows by multiplying with zero, so they must be finite there; lax.ragged_dot (XLA:CPU
+    # and XLA:GPU write zeros anyway; XLA:TPU's never lets them reach the groups:
+    # scripts/ragged_dot_probe.py) and the CUTLASS kernels read only the groups' rows, so the
+    # zeroing pass is left out for them
+    h_like = jax.ShapeDtypeStruct((expert_x.shape[0], w_out.shape[1]), expert_x.dtype)
+    drhs = pass_implementations(implementation, h_like, w_out, api="swiglu_experts")[2]
+    u = grouped_matmul(expert_x, w_in, group_sizes, implementation=implementation,
+                       zero_past_groups=drhs == "tokamax")
     return grouped_matmul(swiglu(u, w_out.shape[1]), w_out, group_sizes,
                           implementation=implementation, zero_past_groups=zero_past_groups)
 
