@@ -40,6 +40,7 @@ CONFIGS = (0, 1)
 DEFAULT_CONFIGS = {"forward": 0, "dlhs": 0, "drhs": 1}
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ALIGN = 8  # K and N in elements: 16-byte rows for TMA
+MAX_GROUPS = 65535  # the kernel's grids
 
 
 def available() -> str | None:
@@ -96,6 +97,9 @@ def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True,
     why = unsupported(pass_name, a, b, a.dtype)
     if why is not None:
         raise ValueError(f"grouped_gemm: {why}")
+    if group_sizes.shape[0] > MAX_GROUPS:
+        raise ValueError(f"grouped_gemm: group_sizes must hold at most {MAX_GROUPS} groups, got "
+                         f"{group_sizes.shape[0]}")
     why = available()
     if why is not None:
         raise RuntimeError(f"grouped_gemm: the CUTLASS grouped GEMM does not run here: {why}")

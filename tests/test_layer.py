@@ -218,6 +218,10 @@ def test_grouped_gemm_rules():
         grouped_gemm.grouped_gemm("bwd", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((3, 16, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match=re.escape(
+            "grouped_gemm: group_sizes must hold at most 65535 groups, got 65536")):
+        grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
+                                  jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(65536, jnp.int32))
+    with pytest.raises(ValueError, match=re.escape(
             "grouped_gemm: config must be one of (0, 1), got 2")):
         grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32),

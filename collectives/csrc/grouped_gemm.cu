@@ -123,6 +123,10 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
         "ep_comm grouped GEMM: pass " + std::to_string(pass) + " got a " + dims_str(a) + ", b " +
         dims_str(b) + ", " + std::to_string(G) + " groups and a result of " + dims_str(*out));
   }
+  if (G > 65535) {  // the empty-group zeroing's grid.y
+    return ffi::Error::InvalidArgument("ep_comm grouped GEMM: at most 65535 groups, got " +
+                                       std::to_string(G));
+  }
   if (k_dim % 8 || n_dim % 8 || k_dim > INT32_MAX || n_dim > INT32_MAX || M > INT32_MAX) {
     return ffi::Error::InvalidArgument(
         "ep_comm grouped GEMM: K and N must be multiples of 8 (16-byte rows for TMA), got K=" +
