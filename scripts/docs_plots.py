@@ -35,6 +35,17 @@ def _report(*path):
     return d[0] if isinstance(d, list) else d
 
 
+def _bars(ax, groups, series, note):
+    """Bars of each series (label -> values, one per group) side by side per group; ``note(label,
+    j, value)`` is the text over bar ``j`` of a series."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, values, width, label=label)
+        for j, (x, v) in enumerate(zip(xs, values)):
+            ax.annotate(note(label, j, v), (x, v), ha="center", va="bottom", fontsize=7)
+
+
 def dispatch_combine(ax):
     sizes = [("T=128", "run8_bench_T128.json"), ("T=4096", "run9_bench_T4096.json")]
     bars = {"dispatch": [], "combine": [], "copy of the bytes": []}
@@ -44,12 +55,7 @@ def dispatch_combine(ax):
         bars["dispatch"].append(rows["dispatch"]["time_us"])
         bars["combine"].append(rows["combine"]["time_us"])
         bars["copy of the bytes"].append(rows["dispatch"]["copy_us"])
-    width = 0.27
-    for i, (label, values) in enumerate(bars.items()):
-        xs = [j + (i - 1) * width for j in range(len(sizes))]
-        ax.bar(xs, values, width, label=label)
-        for x, v in zip(xs, values):
-            ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+    _bars(ax, sizes, bars, lambda label, j, v: f"{v:.0f}")
     ax.set_xticks(range(len(sizes)), [s for s, _ in sizes])
     ax.set_ylabel("wall time per call (us)")
     ax.set_title("dispatch / combine, one H200 (H=7168, top-8 of 256, bf16)", fontsize=9)
@@ -62,14 +68,8 @@ def layer_vs_dense(ax):
     passes = ["forward", "fwd+bwd"]
     dense = [by[("dense einsum (ceiling)", p)] for p in passes]
     layer = [by[("moe_layer grouped_matmul=auto (tokamax)", p)] for p in passes]
-    width = 0.38
-    for i, (label, values) in enumerate((("dense einsums, same FLOPs", dense),
-                                         ("moe_layer (tokamax GEMMs)", layer))):
-        xs = [j + (i - 0.5) * width for j in range(len(passes))]
-        ax.bar(xs, values, width, label=label)
-        for x, v, d in zip(xs, values, dense):
-            ax.annotate(f"{v:.1f} ms ({v / d:.2f}x)", (x, v), ha="center", va="bottom",
-                        fontsize=7)
+    _bars(ax, passes, {"dense einsums, same FLOPs": dense, "moe_layer (tokamax GEMMs)": layer},
+          lambda label, j, v: f"{v:.1f} ms ({v / dense[j]:.2f}x)")
     ax.set_xticks(range(len(passes)), passes)
     ax.set_ylabel("time (ms)")
     ax.set_title("MoE layer vs dense, one H200 (DeepSeek-V3 EP8 rank)", fontsize=9)
@@ -109,12 +109,7 @@ def tpu_layer(ax):
             labels.append(f"{shape}\n{p}")
             for impl, label in kinds:
                 series[label].append(by[(impl, p)] / by[("dense einsum (ceiling)", p)])
-    width = 0.38
-    for i, (label, values) in enumerate(series.items()):
-        xs = [j + (i - 0.5) * width for j in range(len(labels))]
-        ax.bar(xs, values, width, label=label)
-        for x, v in zip(xs, values):
-            ax.annotate(f"{v:.2f}x", (x, v), ha="center", va="bottom", fontsize=7)
+    _bars(ax, labels, series, lambda label, j, v: f"{v:.2f}x")
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("x dense einsums (same FLOPs)")
     ax.set_title("MoE layer on one TPU v5e (T=4096, top-8 of 32, bf16, lax.ragged_dot)",
