@@ -188,9 +188,8 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
             if pass_name == "drhs" or not zero_tail:
                 return out
             # XLA:CPU and XLA:GPU zero the rows past the groups; XLA:TPU leaves them unwritten
-            return lax.platform_dependent(
-                out, group_sizes, tpu=lambda o, g: _zero_past_groups(o, g),
-                default=lambda o, g: o)
+            return lax.platform_dependent(out, group_sizes, tpu=_zero_past_groups,
+                                          default=lambda o, g: o)
         return xla
     if config is None:
         config = TOKAMAX_CONFIGS.get(pass_name, "heuristics") if _hopper() else "heuristics"

@@ -262,7 +262,8 @@ ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, cons
       !take(g.stride_a, G) || !take(g.stride_b, G) || !take(g.stride_d, G) ||
       !take(g.sizes, G + 1)) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "ep_comm grouped GEMM: the workspace has no room for the group arguments");
+                      "ep_comm grouped GEMM: the workspace result has no room for the group "
+                      "arguments (size it with collectives.grouped_gemm.workspace_bytes)");
   }
   setup_kernel<K, E><<<1, 1, 0, stream>>>(g, group_sizes, G, M, k_dim, n_dim, pass, a, b, d);
   cudaError_t e = cudaGetLastError();
@@ -281,7 +282,8 @@ ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, cons
     void* ws = ws_bytes ? mem.get(ws_bytes) : nullptr;
     if (ws_bytes && ws == nullptr) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "ep_comm grouped GEMM: the workspace has no room for CUTLASS's own");
+                        "ep_comm grouped GEMM: the workspace result has no room for "
+                        "CUTLASS's own (size it with collectives.grouped_gemm.workspace_bytes)");
     }
     if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) {
       return ffi::Error::Internal("ep_comm grouped GEMM: CUTLASS initialize failed");
