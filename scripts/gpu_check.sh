@@ -30,6 +30,10 @@ install_wheels() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"
   fi
+  # tokamax imports xprof (for its benchmarking module only, which ep_comm does not use): a stub
+  mkdir -p .gpu/xprof/cli && touch .gpu/xprof/__init__.py .gpu/xprof/cli/__init__.py
+  printf 'def get_kernel_stats_tool(*args, **kwargs):\n    raise NotImplementedError("xprof stub")\n' \
+    > .gpu/xprof/cli/tools.py
 }
 step build && { echo "== build (the package's CMake project, copied in-tree so PYTHONPATH finds it)"
 t0=$(date +%s)
@@ -94,7 +98,7 @@ if step gemm; then
     && cmake --build build --target _ep_gemm gemm_layout_test >> "$OUT/build_gemm.txt" 2>&1 \
     && cp build/collectives/csrc/_ep_gemm*.so collectives/ || { tail -30 "$OUT/build_gemm.txt"; exit 1; }
   echo "built in $(( $(date +%s) - t0 )) s"
-  build/collectives/csrc/gemm_layout_test | tee "$OUT/gemm_layout.txt"
+  build/collectives/csrc/gemm_layout_test | tail -3 | tee "$OUT/gemm_layout.txt"
   "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
   compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
     "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest())" \
@@ -102,7 +106,8 @@ if step gemm; then
   "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py -k "grouped" -rf 2>&1 | tail -12 \
     | tee "$OUT/gemm_tests.txt"
   "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
-    --topk 8 --implementation "${GEMM_IMPLS:-cutlass,tokamax}" --json "$OUT/layer_cutlass.json" \
+    --topk 8 --implementation "${GEMM_IMPLS:-cutlass,tokamax}" ${GEMM_ARGS:---no-xla} \
+    --json "$OUT/layer_cutlass.json" \
     2>&1 | tee "$OUT/layer_cutlass.txt"
 fi
 if step overlap; then
