@@ -88,3 +88,12 @@ def command_buffer_traits() -> dict:
         return dict(traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
     except (ImportError, AttributeError):
         return {}
+
+
+def vma_unchecked():
+    """A context in which traced values carry no varying-axes types (``check_vma`` off), for
+    kernels whose Pallas outputs do not declare them (tokamax's Mosaic TPU ragged dot under jax
+    0.10: "manual_axis_type ... must not be None"); ``match_vma`` restores the types after."""
+    from jax._src import config
+
+    return config._check_vma(False)
