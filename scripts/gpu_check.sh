@@ -103,10 +103,11 @@ if step gemm; then
   compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
     "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest())" \
     2>&1 | tail -6 | tee "$OUT/gemm_sanitizer.txt"
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py -k "grouped" -rf 2>&1 | tail -12 \
+  timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
+    -k "${GEMM_TESTS:-cutlass or grouped_gemm}" -rf 2>&1 | tail -12 \
     | tee "$OUT/gemm_tests.txt"
-  "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
-    --topk 8 --implementation "${GEMM_IMPLS:-cutlass,tokamax}" ${GEMM_ARGS:---no-xla} \
+  timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 \
+    --intermediate 2048 --experts 32 --topk 8 --implementation "${GEMM_IMPLS:-cutlass,tokamax}" ${GEMM_ARGS:---no-xla} \
     --json "$OUT/layer_cutlass.json" \
     2>&1 | tee "$OUT/layer_cutlass.txt"
 fi
