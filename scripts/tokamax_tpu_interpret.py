@@ -3,7 +3,7 @@
 #   python scripts/tokamax_tpu_interpret.py
 """moe_layer / grouped_matmul with tokamax's Mosaic TPU kernel run in Pallas interpret mode on
 CPU (device kind faked as a v5e): checks values and gradients against ragged_dot under shard_map."""
-import functools, sys
+import functools
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
 from jax._src.pallas.mosaic import tpu_info
