@@ -106,10 +106,18 @@ if step gemm; then
   timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
     -k "${GEMM_TESTS:-cutlass or grouped_gemm}" -rf 2>&1 | tail -12 \
     | tee "$OUT/gemm_tests.txt"
-  timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 \
-    --intermediate 2048 --experts 32 --topk 8 --implementation "${GEMM_IMPLS:-cutlass,tokamax}" ${GEMM_ARGS:---no-xla} \
-    --json "$OUT/layer_cutlass.json" \
-    2>&1 | tee "$OUT/layer_cutlass.txt"
+  # GEMM_SHAPES: the shapes by name (default: the DeepSeek-V3 EP8 rank only)
+  for shape in ${GEMM_SHAPES:-deepseek}; do
+    case "$shape" in
+      deepseek) args="--tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8" ;;
+      mixtral) args="--tokens 4096 --hidden 4096 --intermediate 14336 --experts 8 --topk 2" ;;
+      finegrained) args="--tokens 16384 --hidden 2048 --intermediate 768 --experts 128 --topk 8" ;;
+      *) echo "unknown GEMM_SHAPES entry: $shape"; continue ;;
+    esac
+    timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.layer_bench $args \
+      --implementation "${GEMM_IMPLS:-cutlass,tokamax}" ${GEMM_ARGS:---no-xla} \
+      --json "$OUT/layer_cutlass_$shape.json" 2>&1 | tee "$OUT/layer_cutlass_$shape.txt"
+  done
 fi
 if step overlap; then
   echo "== MoE layer as a pipeline of chunks: tests, then the overlap bench at full and held-back self-copy speed"
