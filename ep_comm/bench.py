@@ -12,7 +12,11 @@ Compares, side by side in one run and on the same routing:
   unpermuted by a gather and a weighted sum, and both (:mod:`ep_comm.baselines`): no exchange,
   the local work a user's own JAX code does at one rank. With ``--round-trip``, ep_comm's
   dispatch then combine in one program too (``round trip``); the table ends with each ep_comm
-  phase's time over plain JAX's (pipelined where measured: ``pipe``).
+  phase's time over plain JAX's (pipelined where measured: ``pipe``);
+- ``plain JAX EP`` (more than one rank): the same dropless exchange written in plain JAX
+  (:func:`ep_comm.baselines.ep_permute` / ``ep_unpermute``: per-peer slots of ``T`` rows through
+  ``lax.all_to_all``, an argsort by local expert, ``expert_rows`` rows out as ep_comm's config
+  gives them), timed per phase; the table ends with ep_comm's phases over it too.
 
 For each: ``time`` = median over ``--iters`` calls after ``--warmup``, each waited for; ``pipe`` =
 time per call of ``--iters`` calls issued back to back and waited for once (median of 5 such loops:
@@ -112,6 +116,19 @@ def capacity_round_trip(x, ids, w, *, axis_name: str, num_experts: int, cap: int
     got = jnp.where(keep[:, None], got.astype(jnp.float32), 0.0).reshape(T, K, -1)
     y = jnp.sum(got * w[:, :, None], axis=1).astype(x.dtype)
     return y, jnp.sum(~keep, dtype=jnp.int32)[None]
+
+
+def _rows_differing(expert_x, reference, n: int) -> int:
+    """Elements of the grouped rows of ``expert_x`` (every rank's block stacked) that differ from
+    ep_comm's dispatch (``reference``: its ``expert_x`` and ``group_sizes``); 0 with no
+    reference."""
+    if reference is None:
+        return 0
+    ref_x, sizes = reference
+    rows = expert_x.shape[0] // n
+    used = sizes.reshape(n, -1).sum(axis=1)
+    return int(sum(np.sum(expert_x[r * rows:r * rows + u] != ref_x[r * rows:r * rows + u])
+                   for r, u in enumerate(used)))
 
 
 def _portable_wire_rows(cfg, plan: str, N: int) -> tuple[int, int]:
@@ -225,7 +242,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     topo = topo or topology.simulated(1, n)
     model = cost_model or topology.CostModel()
     net = topology.LINK_CLASSES.index("network")
-    host_floor = None
+    host_floor = reference_dispatch = None
     for backend, plan, wire_format in ((b, p, f) for b in backends or usable for p in plans
                                        for f in wire_formats):
         row_d, row_c = topology.row_bytes(H, dtype, K, wire_format=wire_format)
@@ -236,6 +253,9 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         comb = smap(ep_comm.combine)
         ex, h = disp(xs, idss, ws)
         y = comb(ex, h)
+        if reference_dispatch is None and wire_format is None:  # (plain JAX EP's #wrong)
+            reference_dispatch = (ep_comm.distributed.to_host(ex),
+                                  ep_comm.distributed.to_host(h.group_sizes))
         if host_floor is None:  # a call returning as many arrays as dispatch, no device work
             outputs = len(jax.tree.leaves((ex, h)))
             host_floor = (outputs, pipelined_us(
@@ -323,6 +343,31 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                             pipelined_us=pipelined_us(fn, fargs, 1, iters),
                             wrong=wrong(y) if phase == "round trip" else 0, dropped=0,
                             wire=0, buffers=local, payload=local))
+    if n > 1:  # plain JAX across ranks: the same job with padded lax.all_to_all slots
+        rows_out = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
+                                    recv_capacity=recv_capacity).expert_rows
+        kw = dict(axis_name="ep", num_experts=E, rows=rows_out)
+        ep_perm = smap(functools.partial(baselines.ep_permute, **kw))
+        ep_unperm = smap(functools.partial(baselines.ep_unpermute, axis_name="ep"))
+        ep_x, _, ep_state = ep_perm(xs, idss, ws)
+        phases = [("dispatch", ep_perm, (xs, idss, ws)), ("combine", ep_unperm, (ep_x, ep_state))]
+        if round_trip:
+            phases.append(("round trip", smap(lambda x, i, w: baselines.ep_unpermute(
+                *(lambda r: (r[0], r[2]))(baselines.ep_permute(x, i, w, **kw)),
+                axis_name="ep")), (xs, idss, ws)))
+        for phase, fn, fargs in phases:
+            if phase == "dispatch":  # the same rows as ep_comm's, group by group
+                wrong_rows = _rows_differing(ep_comm.distributed.to_host(ep_x),
+                                             reference_dispatch, n)
+            else:
+                wrong_rows = wrong(fn(*fargs))
+            results.append(dict(impl="plain JAX EP", plan="-", phase=phase,
+                                time_us=median_us(fn, fargs, warmup, iters),
+                                pipelined_us=pipelined_us(fn, fargs, 1, iters),
+                                wrong=wrong_rows, dropped=0,
+                                wire=n * T * (H * itemsize + 8 * K) * (2 if phase == "round trip"
+                                                                      else 1),
+                                buffers=(n * T + rows_out) * H * itemsize))
     if T % n == 0:  # the ceiling: a dense all-to-all of each rank's T token rows, no routing
         fn = smap(lambda x: lax.all_to_all(x, "ep", 0, 0, tiled=True))
         t = median_us(fn, (xs,), warmup, iters)
@@ -399,14 +444,19 @@ def table(report) -> str:
                          f"{r['buffers'] / base['buffers']:.2f}x the buffers and "
                          f"{_row_ratio(report, fmt):.3f}x the bytes per token row of the "
                          f"unquantized wire")
-    plain = {r["phase"]: r for r in report["results"] if r["impl"] == "plain JAX"}
-    peer = {"dispatch": "permute", "combine": "unpermute", "round trip": "round trip"}
-    for (impl, plan, phase), r in by.items():
-        p = plain.get(peer.get(phase, ""))
-        if impl.startswith("ep_comm/") and p is not None:
-            key = "pipelined_us" if "pipelined_us" in r and "pipelined_us" in p else "time_us"
-            lines.append(f"# {impl} {plan} {phase}: {r[key] / p[key]:.2f}x plain JAX's "
-                         f"{peer[phase]} ({key}; {r['time_us'] / p['time_us']:.2f}x by time)")
+    peers = (("plain JAX", {"dispatch": "permute", "combine": "unpermute",
+                            "round trip": "round trip"}, ""),
+             ("plain JAX EP", {p: p for p in ("dispatch", "combine", "round trip")},
+              " (the same exchange in plain JAX)"))
+    for name, peer, what in peers:
+        plain = {r["phase"]: r for r in report["results"] if r["impl"] == name}
+        for (impl, plan, phase), r in by.items():
+            p = plain.get(peer.get(phase, ""))
+            if impl.startswith("ep_comm/") and p is not None:
+                key = "pipelined_us" if "pipelined_us" in r and "pipelined_us" in p else "time_us"
+                lines.append(f"# {impl} {plan} {phase}: {r[key] / p[key]:.2f}x {name}'s "
+                             f"{peer[phase]}{what} ({key}; {r['time_us'] / p['time_us']:.2f}x by "
+                             f"time)")
     return "\n".join(lines)
 
 

@@ -57,6 +57,10 @@ def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
         r = rows[("ep_comm/portable", phase)]
         assert r["wrong"] == 0 and r["dropped"] == 0
         assert r["time_us"] > 0 and r["pad"] >= 1.0
+    if n > 1:  # the same exchange in plain JAX: ep_comm's rows, group by group, and its sums
+        for phase in ("dispatch", "combine"):
+            assert rows[("plain JAX EP", phase)]["wrong"] == 0
+        assert "x plain JAX EP's dispatch (the same exchange in plain JAX)" in bench.table(report)
     cap = rows[("capacity cf=1.0", "round trip")]
     assert cap["dropped"] > 0 and cap["wrong"] > 0  # skewed routing overflows a fixed capacity
     ceiling = rows[("lax.all_to_all", "T rows")]
