@@ -96,3 +96,10 @@ def ep_unpermute(expert_y, state, *, axis_name: str):
     back = jax.lax.all_to_all(partial, axis_name, 0, 0, tiled=True)
     got = jnp.take(back, jnp.minimum(slot, n * T - 1), axis=0)  # (T, n, H)
     return jnp.sum(jnp.where(in_rank[:, :, None], got, 0.0), axis=1).astype(expert_y.dtype)
+
+
+def ep_round_trip(x, topk_ids, topk_weights, *, axis_name: str, num_experts: int, rows: int):
+    """:func:`ep_permute` then :func:`ep_unpermute` with identity experts."""
+    expert_x, _, state = ep_permute(x, topk_ids, topk_weights, axis_name=axis_name,
+                                    num_experts=num_experts, rows=rows)
+    return ep_unpermute(expert_x, state, axis_name=axis_name)

@@ -352,9 +352,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         ep_x, _, ep_state = ep_perm(xs, idss, ws)
         phases = [("dispatch", ep_perm, (xs, idss, ws)), ("combine", ep_unperm, (ep_x, ep_state))]
         if round_trip:
-            phases.append(("round trip", smap(lambda x, i, w: baselines.ep_unpermute(
-                *(lambda r: (r[0], r[2]))(baselines.ep_permute(x, i, w, **kw)),
-                axis_name="ep")), (xs, idss, ws)))
+            phases.append(("round trip", smap(functools.partial(baselines.ep_round_trip, **kw)),
+                           (xs, idss, ws)))
         for phase, fn, fargs in phases:
             if phase == "dispatch":  # the same rows as ep_comm's, group by group
                 wrong_rows = _rows_differing(ep_comm.distributed.to_host(ep_x),
