@@ -27,6 +27,23 @@ def median_us(fn, args, warmup: int, iters: int) -> float:
     return float(np.median(times) * 1e6)
 
 
+def interleaved_us(calls, warmup: int, iters: int) -> list[float]:
+    """Median wall time in microseconds of each ``(fn, args)`` in ``calls``, timed in turn within
+    every round (A, B, A, B, ...), after ``warmup`` untimed rounds: what drifts over a run (another
+    process, the clock, the allocator) lands on every call alike, so their ratio is steadier than
+    that of medians timed one after the other."""
+    for _ in range(warmup):
+        for fn, args in calls:
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
+    for _ in range(iters):
+        for (fn, args), t in zip(calls, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            t.append(time.perf_counter() - t0)
+    return [float(np.median(t) * 1e6) for t in times]
+
+
 def pipelined_us(fn, args, warmup: int, iters: int, reps: int = 5) -> float:
     """Time per call of ``fn(*args)`` issued ``iters`` times back to back and waited for once
     (nccl-tests' loop: the host enqueues while the device works, so a per-call host round trip

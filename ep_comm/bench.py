@@ -16,7 +16,9 @@ Compares, side by side in one run and on the same routing:
 - ``plain JAX EP`` (more than one rank): the same dropless exchange written in plain JAX
   (:func:`ep_comm.baselines.ep_permute` / ``ep_unpermute``: per-peer slots of ``T`` rows through
   ``lax.all_to_all``, an argsort by local expert, ``expert_rows`` rows out as ep_comm's config
-  gives them), timed per phase; the table ends with ep_comm's phases over it too.
+  gives them), timed per phase; the table ends with ep_comm's phases over it too, also timed in
+  turn with it (:func:`collectives.timing.interleaved_us`: drift over the run, large on a
+  2-core machine running 8 devices, lands on both alike).
 
 For each: ``time`` = median over ``--iters`` calls after ``--warmup``, each waited for; ``pipe`` =
 time per call of ``--iters`` calls issued back to back and waited for once (median of 5 such loops:
@@ -67,7 +69,8 @@ import collectives
 import ep_comm
 import topology
 from collectives import portable
-from collectives.timing import emit, hardware, median_us, pipelined_us, trace_kernels
+from collectives.timing import (emit, hardware, interleaved_us, median_us, pipelined_us,
+                               trace_kernels)
 from ep_comm import baselines
 
 
@@ -243,6 +246,7 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
     model = cost_model or topology.CostModel()
     net = topology.LINK_CLASSES.index("network")
     host_floor = reference_dispatch = None
+    timed = []  # (result row, fn, args) of ep_comm's unquantized phases, for the A/B against peers
     for backend, plan, wire_format in ((b, p, f) for b in backends or usable for p in plans
                                        for f in wire_formats):
         row_d, row_c = topology.row_bytes(H, dtype, K, wire_format=wire_format)
@@ -313,6 +317,8 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                                  in_program_over_kernel=extra["in_program_us"] * calls / prog_kern,
                                  in_program_top_kernels=[(k, us / calls, c / calls)
                                                          for k, us, c in prog_top])
+            if wire_format is None:
+                timed.append((len(results), fn, fargs))
             results.append(dict(phase=phase, time_us=t, wire=(wire, wire_c)[i],
                                 network_bytes_max=float(sent[:, i, net].max()),
                                 network_bytes_total=float(sent[:, i, net].sum()),
@@ -367,6 +373,10 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                                 wire=n * T * (H * itemsize + 8 * K) * (2 if phase == "round trip"
                                                                       else 1),
                                 buffers=(n * T + rows_out) * H * itemsize))
+            for row, ep_fn, ep_args in timed:  # ep_comm's same phase against it, in turn
+                if results[row]["phase"] == phase:
+                    ours, theirs = interleaved_us([(ep_fn, ep_args), (fn, fargs)], 1, iters)
+                    results[row]["vs_plain_ep_interleaved"] = ours / theirs
     if T % n == 0:  # the ceiling: a dense all-to-all of each rank's T token rows, no routing
         fn = smap(lambda x: lax.all_to_all(x, "ep", 0, 0, tiled=True))
         t = median_us(fn, (xs,), warmup, iters)
@@ -453,9 +463,11 @@ def table(report) -> str:
             p = plain.get(peer.get(phase, ""))
             if impl.startswith("ep_comm/") and p is not None:
                 key = "pipelined_us" if "pipelined_us" in r and "pipelined_us" in p else "time_us"
+                ab = ("" if name != "plain JAX EP" or "vs_plain_ep_interleaved" not in r else
+                      f"; {r['vs_plain_ep_interleaved']:.2f}x timed in turn")
                 lines.append(f"# {impl} {plan} {phase}: {r[key] / p[key]:.2f}x {name}'s "
                              f"{peer[phase]}{what} ({key}; {r['time_us'] / p['time_us']:.2f}x by "
-                             f"time)")
+                             f"time{ab})")
     return "\n".join(lines)
 
 

@@ -61,6 +61,9 @@ def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
         for phase in ("dispatch", "combine"):
             assert rows[("plain JAX EP", phase)]["wrong"] == 0
         assert "x plain JAX EP's dispatch (the same exchange in plain JAX)" in bench.table(report)
+        for phase in ("dispatch", "combine"):  # also timed in turn with plain JAX EP's
+            assert rows[("ep_comm/portable", phase)]["vs_plain_ep_interleaved"] > 0
+        assert "x timed in turn)" in bench.table(report)
     cap = rows[("capacity cf=1.0", "round trip")]
     assert cap["dropped"] > 0 and cap["wrong"] > 0  # skewed routing overflows a fixed capacity
     ceiling = rows[("lax.all_to_all", "T rows")]
