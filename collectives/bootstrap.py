@@ -137,6 +137,8 @@ def register_targets(name: str) -> None:
             # parameters, the tensor maps' workspace) on every call
             jax.ffi.register_ffi_target("ep_comm_grouped_gemm", mod.grouped_gemm_handler(),
                                         platform="CUDA")
+            jax.ffi.register_ffi_target("ep_comm_grouped_gemm_fused", mod.fused_handler(),
+                                        platform="CUDA")
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

@@ -101,8 +101,8 @@ if step gemm; then
   build/collectives/csrc/gemm_layout_test | tail -3 | tee "$OUT/gemm_layout.txt"
   "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
   compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
-    "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest())" \
-    2>&1 | tail -6 | tee "$OUT/gemm_sanitizer.txt"
+    "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
+    2>&1 | tail -8 | tee "$OUT/gemm_sanitizer.txt"
   timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
     -k "${GEMM_TESTS:-cutlass or grouped_gemm}" -rf 2>&1 | tail -12 \
     | tee "$OUT/gemm_tests.txt"

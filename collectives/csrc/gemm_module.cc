@@ -9,6 +9,10 @@ NB_MODULE(_ep_gemm, m) {
   m.doc() = "ep_comm grouped GEMM for the experts on Hopper (CUTLASS, sm_90a) as an XLA FFI handler";
   m.def("grouped_gemm_handler",
         []() { return nb::capsule(ep_comm::gemm::grouped_gemm_handler()); });
+  m.def("fused_handler", []() { return nb::capsule(ep_comm::gemm::fused_handler()); });
+  m.def("fused_selftest", &ep_comm::gemm::fused_selftest,
+        "Run the fused forward pass (gather, each epilogue) on malformed and well-formed sizes and "
+        "indices outside XLA; returns wrong values, -1 when CUDA fails, -2 without a Hopper GPU.");
   m.def("workspace_bytes", &ep_comm::gemm::workspace_bytes, nb::arg("pass_index"),
         nb::arg("config"), nb::arg("groups"),
         "Bytes of the workspace result one call needs (queries the GPU's SM count).");

@@ -20,4 +20,12 @@ size_t workspace_bytes(int64_t pass, int64_t config, int64_t groups);
 // GPU (or none) is not a Hopper.
 long long selftest();
 
+// XLA FFI handler ep_comm_grouped_gemm_fused: the forward pass with A's rows gathered by index
+// and the SwiGLU or per-row scale epilogue (grouped_gemm_gather.cu).
+void* fused_handler();
+
+// The fused forward pass on small problems with malformed sizes and indices, each epilogue and
+// tile config, outside XLA: wrong values, -1 when CUDA fails, -2 without a Hopper GPU.
+long long fused_selftest();
+
 }  // namespace ep_comm::gemm

@@ -22,6 +22,7 @@
 #include "cutlass/kernel_hardware_info.h"
 #include "cutlass/util/packed_stride.hpp"
 #include "grouped_gemm.h"
+#include "grouped_gemm_common.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -33,18 +34,6 @@ enum Pass : int64_t { kForward = 0, kDlhs = 1, kDrhs = 2 };
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using Problem = ProblemShape::UnderlyingProblemShape;
-
-// The module holds sm_90a code only (CMake: CUDA_ARCHITECTURES 90a): whether this GPU runs it.
-inline bool hopper() {
-  static const bool yes = [] {
-    int device = 0, major = 0;
-    return cudaGetDevice(&device) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-               cudaSuccess &&
-           major == 9;
-  }();
-  return yes;
-}
 
 // The tile configs compiled in (the handler's "config" attribute picks one per call):
 //   0 cooperative: two consumer warpgroups share a 128x256 tile (64-deep K steps);
@@ -152,15 +141,6 @@ __global__ void setup_kernel(GroupArgs<K> g, const int32_t* group_sizes, int64_t
                              E* d) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     fill_groups<K, E>(g, group_sizes, G, M, k_dim, n_dim, pass, a, b, d);
-  }
-}
-
-// Rows [total, M) of a row-major (M, width) output to zero, 16 bytes at a time (width * 2 bytes
-// is a multiple of 16: checked by the handler).
-static __global__ void zero_tail_kernel(uint4* out, const int32_t* total, int64_t M, int64_t units) {
-  const int64_t first = *total;
-  for (int64_t r = first + blockIdx.x; r < M; r += gridDim.x) {
-    for (int64_t u = threadIdx.x; u < units; u += blockDim.x) out[r * units + u] = uint4{0, 0, 0, 0};
   }
 }
 
@@ -300,12 +280,8 @@ ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, cons
                 static_cast<unsigned>(G));
       zero_groups_kernel<<<grid, 256, 0, stream>>>(reinterpret_cast<uint4*>(d), g.sizes, units);
     }
-  } else if (zero_tail && M > 0) {
-    const int64_t width = pass == kForward ? n_dim : k_dim;
-    const int64_t units = width * int64_t(sizeof(E)) / 16;
-    const unsigned blocks = static_cast<unsigned>(M < 4096 ? M : 4096);
-    zero_tail_kernel<<<blocks, 128, 0, stream>>>(reinterpret_cast<uint4*>(d), g.sizes + G, M,
-                                                 units);
+  } else if (zero_tail) {
+    zero_past_groups(stream, d, group_sizes, G, M, (pass == kForward ? n_dim : k_dim) * sizeof(E));
   }
   e = cudaGetLastError();
   if (e != cudaSuccess) return ffi::Error::Internal("ep_comm grouped GEMM: launch: " + cuda_str(e));

@@ -1,0 +1,52 @@
+// What the grouped GEMM's kernels share (grouped_gemm_impl.cuh's pointer-array passes and
+// grouped_gemm_gather.cuh's fused forward): the architecture check and the zeroing of the rows
+// past the groups.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ep_comm::gemm::detail {
+
+// The module holds sm_90a code only (CMake: CUDA_ARCHITECTURES 90a): whether this GPU runs it.
+inline bool hopper() {
+  static const bool yes = [] {
+    int device = 0, major = 0;
+    return cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+               cudaSuccess &&
+           major == 9;
+  }();
+  return yes;
+}
+
+// Rows [the sum of the clamped group sizes, M) of a row-major (M, units * 16 bytes) output to
+// zero, 16 bytes at a time; the sizes clamped as fill_groups does (a negative size is 0, the
+// groups end at row M at the latest).
+static __global__ void zero_past_groups_kernel(uint4* out, const int32_t* sizes, int64_t G,
+                                               int64_t M, int64_t units) {
+  __shared__ int64_t first;
+  if (threadIdx.x == 0) {
+    int64_t off = 0;
+    for (int64_t i = 0; i < G; ++i) {
+      const int64_t s = sizes[i];
+      off += s < 0 ? 0 : (s > M - off ? M - off : s);
+    }
+    first = off;
+  }
+  __syncthreads();
+  for (int64_t r = first + blockIdx.x; r < M; r += gridDim.x) {
+    for (int64_t u = threadIdx.x; u < units; u += blockDim.x) out[r * units + u] = uint4{0, 0, 0, 0};
+  }
+}
+
+static void zero_past_groups(cudaStream_t stream, void* out, const int32_t* sizes, int64_t G,
+                             int64_t M, int64_t row_bytes) {
+  const int64_t units = row_bytes / 16;
+  if (M <= 0 || units <= 0) return;
+  zero_past_groups_kernel<<<unsigned(M < 4096 ? M : 4096), 128, 0, stream>>>(
+      static_cast<uint4*>(out), sizes, G, M, units);
+}
+
+}  // namespace ep_comm::gemm::detail

@@ -1,0 +1,273 @@
+// The grouped GEMM's fused forward pass on Hopper (sm_90a): the kernel in
+// grouped_gemm_gather.cuh, its launch, its XLA FFI handler and its selftest.
+//
+//   out[r] = epilogue(x[index[r]] . w[g])   for the rows r of group g (contiguous from row 0)
+//
+// - x (X, K): the buffer the exchange delivered (one row per received token); index (M,): the
+//   token row each (token, local expert) pair reads, so the pairs' rows (expert_x, M x K) are
+//   never written. An empty index reads row r itself (X == M): the down projection's h.
+// - w (G, K, N) as the forward pass takes it; float32 accumulation.
+// - epilogue: "store" (out (M, N)); "swiglu" (w's first N/2 columns the gate projection, its
+//   last N/2 the up projection; out (M, N/2) = silu(gate) * up, so u (M, N) is never written); "scale" (out (M, N) = acc * scale[r], the
+//   router weight of the pair, float32).
+// Rows past the groups are zero with zero_tail (else unwritten). Malformed group sizes are
+// clamped as by the other passes; an index outside [0, X) reads a zero row.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "grouped_gemm.h"
+#include "grouped_gemm_common.cuh"
+#include "grouped_gemm_gather.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ep_comm::gemm {
+namespace {
+
+using namespace gather;
+
+std::string cuda_error(const char* what) {
+  return std::string("ep_comm fused grouped GEMM: ") + what + ": " +
+         cudaGetErrorString(cudaGetLastError());
+}
+
+template <class E, class Config, int EPI>
+ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
+  using T = Traits<E, Config>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      kernel<T, E, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (attr != cudaSuccess) {
+    return ffi::Error::Internal("ep_comm fused grouped GEMM: shared memory attribute: " +
+                                std::string(cudaGetErrorString(attr)));
+  }
+  // every group's row tiles, at most M / BM + G of them (CTAs past the last tile return)
+  const int64_t tiles_m = (p.M + T::BM - 1) / T::BM + p.G;
+  const int64_t tiles_n = (p.N + T::BN - 1) / T::BN;
+  if (tiles_m > INT32_MAX || tiles_n > 65535) {
+    return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: the problem is too large for "
+                                       "its grid");
+  }
+  kernel<T, E, EPI><<<dim3(unsigned(tiles_m), unsigned(tiles_n)), T::kThreads, T::kSmemBytes,
+                      stream>>>(p);
+  return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
+                                               : ffi::Error::Internal(cuda_error("launch"));
+}
+
+template <class E, class Config>
+ffi::Error launch_epilogue(cudaStream_t stream, const Params<E>& p, int epilogue) {
+  switch (epilogue) {
+    case kSwiGLU:  // (the handler takes it with the 256-wide tile only)
+      if constexpr (size<1>(typename Config::TileShape{}) == 256) {
+        return launch<E, Config, kSwiGLU>(stream, p);
+      } else {
+        return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: swiglu needs config 0");
+      }
+    case kScale: return launch<E, Config, kScale>(stream, p);
+    default: return launch<E, Config, kStore>(stream, p);
+  }
+}
+
+template <class E>
+ffi::Error run(cudaStream_t stream, const Params<E>& p, int epilogue, int config, bool zero_tail) {
+  if (p.M > 0 && p.N > 0) {
+    ffi::Error e = config == 1 ? launch_epilogue<E, Single>(stream, p, epilogue)
+                               : launch_epilogue<E, Cooperative>(stream, p, epilogue);
+    if (e.failure()) return e;
+  }
+  if (zero_tail) {
+    const int64_t out_cols = epilogue == kSwiGLU ? p.N / 2 : p.N;
+    detail::zero_past_groups(stream, p.out, p.sizes, p.G, p.M, out_cols * int64_t(sizeof(E)));
+    if (cudaPeekAtLastError() != cudaSuccess) {
+      return ffi::Error::Internal(cuda_error("zero-tail launch"));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+std::string dims(const ffi::AnyBuffer& b) {
+  std::string s = "(";
+  auto d = b.dimensions();
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
+
+ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                 ffi::AnyBuffer w, ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> scale,
+                 ffi::Result<ffi::AnyBuffer> out, int64_t epilogue, int64_t config,
+                 int64_t zero_tail) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: " + what);
+  };
+  if (epilogue < 0 || epilogue >= kEpilogues) {
+    return bad("epilogue must be in [0, 3), got " + std::to_string(epilogue));
+  }
+  if (config < 0 || config >= kConfigs) {
+    return bad("config must be in [0, 2), got " + std::to_string(config));
+  }
+  if (epilogue == kSwiGLU && config != 0) {
+    return bad("the swiglu epilogue runs with config 0 (a 256-wide tile holds both halves)");
+  }
+  const auto dt = x.element_type();
+  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || w.element_type() != dt ||
+      out->element_type() != dt) {
+    return bad("x, w and the result must all be bfloat16 or all float16");
+  }
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const int64_t G = group_sizes.element_count();
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[0] != G || wd[1] != xd[1]) {
+    return bad("x " + dims(x) + ", w " + dims(w) + ", " + std::to_string(G) +
+               " groups and a result of " + dims(*out) + " do not fit (x (X, K), w (G, K, N))");
+  }
+  const int64_t X = xd[0], K = xd[1], N = wd[2], M = od[0];
+  if (od[1] != (epilogue == kSwiGLU ? N / 2 : N)) {
+    return bad("the result " + dims(*out) + " must be (M, " +
+               (epilogue == kSwiGLU ? "N / 2" : std::string("N")) + ") for w " + dims(w));
+  }
+  const int64_t n_index = index.element_count();
+  if (n_index != M && !(n_index == 0 && X == M)) {
+    return bad("index must hold one row per result row (" + std::to_string(M) + "), or none when "
+               "x has the result's rows; got " + std::to_string(n_index) + " for x " + dims(x));
+  }
+  if (epilogue == kScale && scale.element_count() != M) {
+    return bad("the scale epilogue takes one float32 per row (" + std::to_string(M) + "), got " +
+               std::to_string(scale.element_count()));
+  }
+  if (K % 8 || N % (epilogue == kSwiGLU ? 16 : 8)) {
+    return bad("K must be a multiple of 8 and N of 8 (16 with swiglu), got K=" +
+               std::to_string(K) + ", N=" + std::to_string(N));
+  }
+  if (out->element_count() == 0) return ffi::Error::Success();
+  if (!detail::hopper()) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "ep_comm fused grouped GEMM: its kernels are sm_90a (Hopper) only, and this "
+                      "GPU is not a Hopper");
+  }
+  auto make = [&](auto tag) {
+    using E = decltype(tag);
+    return Params<E>{static_cast<const E*>(x.untyped_data()),
+                     n_index ? index.typed_data() : nullptr,
+                     static_cast<const E*>(w.untyped_data()),
+                     group_sizes.typed_data(),
+                     epilogue == kScale ? scale.typed_data() : nullptr,
+                     static_cast<E*>(out->untyped_data()),
+                     X, M, G, K, N};
+  };
+  if (dt == ffi::DataType::BF16) {
+    return run(stream, make(cutlass::bfloat16_t{}), int(epilogue), int(config), zero_tail != 0);
+  }
+  return run(stream, make(cutlass::half_t{}), int(epilogue), int(config), zero_tail != 0);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFused, Fused,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // x (X, K)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // index (M,) or (0,)
+                                  .Arg<ffi::AnyBuffer>()         // w (G, K, N)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale (M,) or (0,)
+                                  .Ret<ffi::AnyBuffer>()         // out (M, N) or (M, N / 2)
+                                  .Attr<int64_t>("epilogue")     // 0 store, 1 swiglu, 2 scale
+                                  .Attr<int64_t>("config")       // tile config
+                                  .Attr<int64_t>("zero_tail"));  // zero the rows past the groups
+
+void* fused_handler() { return reinterpret_cast<void*>(kFused); }
+
+// ---- selftest (compute-sanitizer) ---------------------------------------------------------------
+
+namespace {
+
+float bf16_value(cutlass::bfloat16_t v) { return float(v); }
+
+}  // namespace
+
+long long fused_selftest() {
+  if (!detail::hopper()) return -2;
+  using E = cutlass::bfloat16_t;
+  // X=24 token rows, M=40 pair rows in G=4 groups (an empty one, a negative size, a total past
+  // M: clamped), K=72 (a K tail), N=48 (a column tail in every tile); indices include -1 and
+  // X + 3 (zero rows). Small integers: products exact in float32, sums exact in bfloat16.
+  const int64_t X = 24, M = 40, G = 4, K = 72, N = 48;
+  const int32_t sizes[4] = {7, -3, 50, 9};
+  std::vector<E> x(X * K), w(G * K * N);
+  std::vector<int32_t> index(M);
+  std::vector<float> scale(M);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = E(float(int(i % 5) - 2));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = E(float(int(i % 3) - 1));
+  for (int64_t r = 0; r < M; ++r) {
+    index[r] = r == 3 ? -1 : r == 11 ? int32_t(X + 3) : int32_t((r * 7) % X);
+    scale[r] = r % 2 ? 0.5f : 0.25f;
+  }
+  cudaStream_t s;
+  if (cudaStreamCreate(&s) != cudaSuccess) return -1;
+  std::vector<void*> held;
+  auto up = [&](const void* h, size_t bytes) -> void* {
+    void* p = nullptr;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) return nullptr;
+    held.push_back(p);
+    if (h) cudaMemcpyAsync(p, h, bytes, cudaMemcpyHostToDevice, s);
+    return p;
+  };
+  auto* dx = static_cast<E*>(up(x.data(), x.size() * sizeof(E)));
+  auto* dw = static_cast<E*>(up(w.data(), w.size() * sizeof(E)));
+  auto* di = static_cast<int32_t*>(up(index.data(), index.size() * 4));
+  auto* dg = static_cast<int32_t*>(up(sizes, sizeof(sizes)));
+  auto* dsc = static_cast<float*>(up(scale.data(), scale.size() * 4));
+  auto* dout = static_cast<E*>(up(nullptr, M * N * sizeof(E)));
+  long long wrong = 0;
+  int64_t clamped[4], off = 0;
+  for (int i = 0; i < G; ++i) {
+    clamped[i] = sizes[i] < 0 ? 0 : std::min<int64_t>(sizes[i], M - off);
+    off += clamped[i];
+  }
+  const int64_t total = off;
+  for (int config = 0; config < kConfigs && dx && dw && di && dg && dsc && dout; ++config) {
+    for (int epi = 0; epi < kEpilogues; ++epi) {
+      if (epi == kSwiGLU && config != 0) continue;
+      const int64_t cols = epi == kSwiGLU ? N / 2 : N;
+      cudaMemsetAsync(dout, 0xFF, M * N * sizeof(E), s);  // NaN: every row must be written
+      Params<E> p{dx, di, dw, dg, epi == kScale ? dsc : nullptr, dout, X, M, G, K, N};
+      if (run(s, p, epi, config, true).failure()) return -1;
+      std::vector<E> got(M * cols);
+      cudaMemcpyAsync(got.data(), dout, got.size() * sizeof(E), cudaMemcpyDeviceToHost, s);
+      if (cudaStreamSynchronize(s) != cudaSuccess) return -1;
+      off = 0;
+      for (int g = 0; g < G; ++g) {
+        for (int64_t r = off; r < off + clamped[g]; ++r) {
+          const int64_t xr = index[r];
+          std::vector<float> acc(N, 0.f);
+          for (int64_t n = 0; n < N; ++n) {
+            for (int64_t k = 0; k < K && xr >= 0 && xr < X; ++k) {
+              acc[n] += bf16_value(x[xr * K + k]) * bf16_value(w[(g * K + k) * N + n]);
+            }
+          }
+          for (int64_t c = 0; c < cols; ++c) {
+            const float v = bf16_value(got[r * cols + c]);
+            if (epi == kSwiGLU) {
+              const float gate = acc[c], upv = acc[N / 2 + c];
+              const float want = gate / (1.0f + std::exp(-gate)) * upv;
+              wrong += !(std::fabs(v - want) <= 1e-2f * std::fabs(want) + 1e-3f);
+            } else {
+              const float want = acc[c] * (epi == kScale ? scale[r] : 1.0f);
+              wrong += v != bf16_value(E(want));
+            }
+          }
+        }
+        off += clamped[g];
+      }
+      for (int64_t r = total; r < M; ++r) {
+        for (int64_t c = 0; c < cols; ++c) wrong += bf16_value(got[r * cols + c]) != 0.f;
+      }
+    }
+  }
+  for (void* p : held) cudaFree(p);
+  cudaStreamDestroy(s);
+  return wrong;
+}
+
+}  // namespace ep_comm::gemm

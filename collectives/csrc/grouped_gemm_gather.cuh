@@ -1,0 +1,287 @@
+// The grouped GEMM's fused forward kernel (sm_90a): A's rows gathered by index in the
+// prologue, SwiGLU or a per-row scale in the epilogue. See grouped_gemm_gather.cu.
+//
+// Built from CUTLASS's pieces, not from its kernel: the warp-specialized cp.async + GMMA
+// mainloop collective (the consumer warpgroups' mma and its PipelineAsync), with a producer of
+// ep_comm's own that copies each (token, local expert) pair's row from the buffer the exchange
+// delivered (TMA cannot gather rows on Hopper; cp.async can, 16 bytes at a time, straight into
+// the mainloop's swizzled shared-memory layout), and an epilogue of its own on the accumulators
+// in registers (SwiGLU pairs two adjacent accumulator columns, which one thread holds).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/pipeline.hpp"
+
+namespace ep_comm::gemm::gather {
+
+using namespace cute;
+
+// What the epilogue writes for row r (of the group's rows) and accumulator column c:
+//   kStore:  out[r, c] = acc
+//   kSwiGLU: out[r, j] = silu(acc[r, j]) * acc[r, I + j], j < I = N / 2 (w's first I columns
+//            are the gate projection, its last I the up projection, as ep_comm lays them out);
+//            each tile loads BN / 2 gate columns and the same BN / 2 up columns, so that one
+//            thread holds both accumulators of every j it writes. Out is N / 2 wide.
+//   kScale:  out[r, c] = acc * scale[r] (float32: the router weight of row r's pair)
+enum Epilogue : int { kStore = 0, kSwiGLU = 1, kScale = 2 };
+constexpr int kEpilogues = 3;
+
+// Tile configs: 0 cooperative (two consumer warpgroups on a 128 x 256 tile), 1 one consumer
+// warpgroup on a 128 x 128 tile.
+// (registers per thread: the producer's and the consumers', within the SM's 64K)
+struct Cooperative {
+  using TileShape = Shape<_128, _256, _64>;
+  using Schedule = cutlass::gemm::KernelCpAsyncWarpSpecializedCooperative;
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+};
+struct Single {
+  using TileShape = Shape<_128, _128, _64>;
+  using Schedule = cutlass::gemm::KernelCpAsyncWarpSpecialized;
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 240;
+};
+constexpr int kConfigs = 2;
+
+template <class E, class Config>
+struct Traits {
+  using TileShape = typename Config::TileShape;
+  static constexpr int BM = size<0>(TileShape{});
+  static constexpr int BN = size<1>(TileShape{});
+  static constexpr int BK = size<2>(TileShape{});
+  // A (M x K) K-major, B (K x N) N-major, as the forward pass lays them out (x rows, w[g])
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, cutlass::layout::RowMajor, 8, E,
+      cutlass::layout::RowMajor, 8, float, TileShape, Shape<_1, _1, _1>,
+      cutlass::gemm::collective::StageCountAuto, typename Config::Schedule>::CollectiveOp;
+  using TiledMma = typename Mainloop::TiledMma;
+  using SmemLayoutA = typename Mainloop::SmemLayoutA;  // (BM, BK, stages)
+  using SmemLayoutB = typename Mainloop::SmemLayoutB;  // (BN, BK, stages)
+  using Pipeline = typename Mainloop::MainloopPipeline;
+  static constexpr int kConsumers = size(TiledMma{});  // threads
+  static constexpr int kProducers = 128;               // one warpgroup
+  static constexpr int kThreads = kProducers + kConsumers;
+  static constexpr int kProducerRegs = Config::kProducerRegs, kConsumerRegs = Config::kConsumerRegs;
+  static_assert(kProducers * kProducerRegs + kConsumers * kConsumerRegs <= 65536,
+                "the register file");
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(BK % 8 == 0 && BN % 8 == 0, "16-byte chunks along K (A) and N (B)");
+  static_assert((BM * BK / 8) % kProducers == 0 && (BN * BK / 8) % kProducers == 0,
+                "every producer thread copies the same number of chunks");
+};
+
+template <class E>
+struct Params {
+  const E* x;             // (X, K): the rows the pairs gather from
+  const int32_t* index;   // (M,): pair r reads x's row index[r]; null: row r itself (X == M)
+  const E* w;             // (G, K, N)
+  const int32_t* sizes;   // (G,) group sizes, as given (clamped here as by fill_groups)
+  const float* scale;     // (M,) per-row scale (kScale), else null
+  E* out;                 // (M, N) or (M, N / 2) for kSwiGLU
+  int64_t X, M, G, K, N;  // N: the accumulator's columns (2I for kSwiGLU)
+};
+
+// 16 bytes global -> shared (a shared-window address), zero-filled when `bytes` is 0 (the
+// source is then not read).
+CUTLASS_DEVICE void cp_async_16(uint32_t smem, const void* gmem, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
+#endif
+}
+
+CUTLASS_DEVICE float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+// EPI a template argument: with the epilogue known, the loop over the accumulators unrolls and
+// they stay in registers.
+template <class T, class Ep, int EPI>
+__global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Pipeline = typename T::Pipeline;
+  using State = typename Pipeline::PipelineState;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK;
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+
+  // This CTA's tile: the blockIdx.x-th row tile over the groups in order (each group's rows
+  // cut into tiles of BM; groups clamped as fill_groups does), column tile blockIdx.y.
+  int64_t tile = blockIdx.x, off = 0, rows = 0, group = -1;
+  for (int64_t i = 0; i < p.G; ++i) {
+    int64_t s = p.sizes[i];
+    s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
+    const int64_t tiles = (s + BM - 1) / BM;
+    if (tile < tiles) {
+      group = i;
+      rows = s;
+      break;
+    }
+    tile -= tiles;
+    off += s;
+  }
+  if (group < 0) return;  // past the last tile (the grid is sized for the worst case)
+  const int64_t row0 = tile * BM;              // first row of the tile within the group
+  const int64_t rows_left = rows - row0;       // rows of the tile in the group (may be < BM)
+  const int64_t col0 = int64_t(blockIdx.y) * BN;
+  const int k_tiles = int((p.K + BK - 1) / BK);
+
+  const int wg = cutlass::canonical_warp_group_idx();
+  typename Pipeline::Params pp;
+  pp.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = T::kProducers;
+  pp.consumer_arv_count = T::kConsumers;
+  Pipeline pipeline(shared.pipeline, pp);
+  __syncthreads();
+
+  if (wg == 0) {  // producer: cp.async of A's gathered rows and B's tile, stage by stage
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    const int t = threadIdx.x;
+    Tensor sA = make_tensor(make_smem_ptr(shared.tensors.smem_A.data()), typename T::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared.tensors.smem_B.data()), typename T::SmemLayoutB{});
+    // Thread t copies A's 16-byte chunk t % 8 (of the 64-wide K tile) of rows t / 8 + 16 j,
+    // and B's chunk t % 16 (of 128 columns) of K rows t / 16 + 8 ka, columns + 128 nh. Every
+    // step is a whole number of the swizzle atoms (A: 8 rows x 64 K, B: 64 columns x 8 K), so
+    // a chunk's place in shared memory is its first place plus a constant per step; what does
+    // not change from stage to stage is computed once (a producer's register budget is small).
+    using AtomA = typename T::Mainloop::SmemLayoutAtomA;
+    using AtomB = typename T::Mainloop::SmemLayoutAtomB;
+    static_assert(BK == 64 && size<1>(AtomA{}) == 64 && 16 % size<0>(AtomA{}) == 0,
+                  "A: one 128-byte swizzle atom spans the K tile");
+    static_assert(BN % 128 == 0 && 128 % size<0>(AtomB{}) == 0 && 8 % size<1>(AtomB{}) == 0,
+                  "B: 128 columns and 8 K rows are whole swizzle atoms");
+    constexpr int kA = BM / 16, kNh = BN / 128, kKa = BK / 8;
+    const int kc = (t % 8) * 8, n = (t % 16) * 8, kb = t / 16;
+    auto at = [](auto& tensor, int i, int j) { return cast_smem_ptr_to_uint(&tensor(i, j, 0)); };
+    const uint32_t a_base = at(sA, 0, 0), b_base = at(sB, 0, 0);
+    const uint32_t a_stage = cast_smem_ptr_to_uint(&sA(0, 0, 1)) - a_base;
+    const uint32_t b_stage = cast_smem_ptr_to_uint(&sB(0, 0, 1)) - b_base;
+    const uint32_t a_first = at(sA, t / 8, kc) - a_base, a_step = at(sA, 16, 0) - a_base;
+    const uint32_t b_first = at(sB, n, kb) - b_base, b_nstep = at(sB, 128, 0) - b_base,
+                   b_kstep = at(sB, 0, 8) - b_base;
+    int32_t a_src[kA];  // x's row of each A row of this thread (-1: zeros)
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kA; ++j) {
+      const int r = t / 8 + 16 * j;
+      int32_t src = -1;
+      if (r < rows_left) {
+        const int64_t pair = off + row0 + r;
+        const int64_t xr = p.index ? int64_t(p.index[pair]) : pair;
+        if (xr >= 0 && xr < p.X) src = int32_t(xr);  // a malformed index reads zeros
+      }
+      a_src[j] = src;
+    }
+    // B's columns of 128-wide block nh: col0 + 128 nh, or with SwiGLU the gate block (the
+    // first half of the tile) and the up block (the second) of output columns jb + ...
+    const int64_t jb = int64_t(blockIdx.y) * (BN / 2), half_n = p.N / 2;
+    const Ep* w = p.w + group * p.K * p.N + n;
+    int64_t b_col[kNh];
+    bool b_ok[kNh];
+    CUTLASS_PRAGMA_UNROLL
+    for (int nh = 0; nh < kNh; ++nh) {
+      if constexpr (EPI == kSwiGLU) {
+        const int64_t j = jb + (nh % (kNh / 2)) * 128 + n;
+        b_col[nh] = (nh < kNh / 2 ? 0 : half_n) + j - n;
+        b_ok[nh] = j < half_n;
+      } else {
+        b_col[nh] = col0 + 128 * nh;
+        b_ok[nh] = col0 + 128 * nh + n < p.N;
+      }
+    }
+    State write = cutlass::make_producer_start_state<Pipeline>();
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.producer_acquire(write);
+      const uint32_t sa = a_base + write.index() * a_stage + a_first;
+      const uint32_t sb = b_base + write.index() * b_stage + b_first;
+      const int64_t k0 = int64_t(kt) * BK;
+      const bool ka_ok = k0 + kc < p.K;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kA; ++j) {
+        const bool ok = ka_ok && a_src[j] >= 0;
+        cp_async_16(sa + j * a_step, ok ? p.x + int64_t(a_src[j]) * p.K + k0 + kc : p.x,
+                    ok ? 16 : 0);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int nh = 0; nh < kNh; ++nh) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int ka = 0; ka < kKa; ++ka) {
+          const int64_t k = k0 + kb + 8 * ka;
+          const bool ok = b_ok[nh] && k < p.K;
+          cp_async_16(sb + nh * b_nstep + ka * b_kstep, ok ? w + k * p.N + b_col[nh] : p.w,
+                      ok ? 16 : 0);
+        }
+      }
+      pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive);
+      ++write;
+    }
+    pipeline.producer_tail(write);
+  } else {  // consumers: CUTLASS's GMMA mainloop, then the epilogue on the accumulators
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    const int ct = threadIdx.x - T::kProducers;
+    typename T::TiledMma mma;
+    Tensor acc = partition_fragment_C(mma, take<0, 2>(typename T::TileShape{}));
+    typename T::Mainloop mainloop;
+    typename T::Mainloop::Params none{};
+    State read;
+    mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
+    mainloop.mma_tail(pipeline, read, k_tiles);
+
+    // the same partition of the tile's (row, column) coordinates as the accumulators
+    Tensor coord = mma.get_slice(ct).partition_C(
+        make_identity_tensor(take<0, 2>(typename T::TileShape{})));
+    static_assert(decltype(size(acc))::value % 2 == 0, "accumulators come in column pairs");
+    if constexpr (EPI == kSwiGLU) {
+      // GMMA's accumulators (values (2, 2, BN / 8), M blocks, 1 N block): a thread holds the
+      // same columns of both tile halves; value v < BN / 4 (per M block) is a gate column, v
+      // + BN / 4 its up column, and values 2i, 2i + 1 are adjacent columns of one row
+      static_assert(T::BN == 256 && decltype(size<2>(acc))::value == 1 &&
+                    decltype(size<0>(acc))::value == T::BN / 2,
+                    "SwiGLU pairs the halves of a 256-wide tile's single GMMA N block");
+      constexpr int kHalf = T::BN / 4;
+      const int64_t half_n = p.N / 2, jb = int64_t(blockIdx.y) * (T::BN / 2);
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < size<1>(acc); ++m) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v = 0; v < kHalf; v += 2) {
+          const int r = get<0>(coord(v, m, 0));
+          const int64_t j = jb + get<1>(coord(v, m, 0));
+          if (r >= rows_left || j >= half_n) continue;
+          cutlass::Array<Ep, 2> pair;  // (j even, I a multiple of 8: a 4-byte aligned store)
+          pair[0] = Ep(silu(acc(v, m, 0)) * acc(v + kHalf, m, 0));
+          pair[1] = Ep(silu(acc(v + 1, m, 0)) * acc(v + 1 + kHalf, m, 0));
+          *reinterpret_cast<cutlass::Array<Ep, 2>*>(p.out + (off + row0 + r) * half_n + j) = pair;
+        }
+      }
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {
+        // values 2i and 2i + 1 of a thread are columns c, c + 1 of one row (c even)
+        const int r = get<0>(coord(i));
+        const int64_t c = col0 + get<1>(coord(i));
+        if (r >= rows_left || c >= p.N) continue;
+        float v0 = acc(i), v1 = acc(i + 1);
+        if constexpr (EPI == kScale) {
+          const float s = p.scale[off + row0 + r];
+          v0 *= s;
+          v1 *= s;
+        }
+        cutlass::Array<Ep, 2> pair;  // (c even, N a multiple of 8: a 4-byte aligned store)
+        pair[0] = Ep(v0);
+        pair[1] = Ep(v1);
+        *reinterpret_cast<cutlass::Array<Ep, 2>*>(p.out + (off + row0 + r) * p.N + c) = pair;
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace ep_comm::gemm::gather
