@@ -120,3 +120,73 @@ def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True,
 def workspace_bytes(pass_index: int, config: int, groups: int) -> int:
     """Bytes of the workspace one call takes (asks the module, which asks the GPU)."""
     return int(bootstrap.load("gemm")[0].workspace_bytes(pass_index, config, groups))
+
+
+EPILOGUES = ("store", "swiglu", "scale")
+
+
+def fused_forward(x, w, group_sizes, *, index=None, epilogue: str = "store", scale=None,
+                  zero_tail: bool = True, config: int = 0):
+    """The fused forward pass (``collectives/csrc/grouped_gemm_gather.cu``): for the rows ``r``
+    of group ``g``, ``acc = x[index[r]] @ w[g]`` (``x[r]`` without ``index``), float32, then
+
+    - ``"store"``: ``out[r] = acc`` (``(M, N)``);
+    - ``"swiglu"``: ``out[r] = silu(acc[:I]) * acc[I:]`` (``(M, I)``, ``I = N / 2``: ``w``'s first
+      ``I`` columns the gate projection, its last ``I`` the up projection; tile config 0);
+    - ``"scale"``: ``out[r] = acc * scale[r]`` (``scale`` float32 ``(M,)``: the pairs' router
+      weights).
+
+    ``x`` ``(X, K)`` and ``w`` ``(G, K, N)`` bfloat16 or float16; ``index`` int32 ``(M,)`` (an
+    entry outside ``[0, X)`` reads a zero row); ``M`` is ``index``'s length, else ``X``. Rows past
+    the groups are zero with ``zero_tail``. Raises ``ValueError`` for operands the kernel does
+    not take and ``RuntimeError`` where it does not run (:func:`available`)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"fused_forward: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if config not in CONFIGS or (epilogue == "swiglu" and config != 0):
+        raise ValueError(f"fused_forward: config must be one of {CONFIGS} (0 with swiglu), got "
+                         f"{config!r}")
+    if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1] or w.shape[0] != group_sizes.shape[0]:
+        raise ValueError(f"fused_forward: x (X, K), w (G, K, N) and group_sizes (G,) must fit, got "
+                         f"x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
+    why = unsupported("forward", x, w, x.dtype)
+    if why is None and epilogue == "swiglu" and w.shape[2] % 16:
+        why = f"swiglu needs N = 2I with I a multiple of 8, got N={w.shape[2]}"
+    if why is not None:
+        raise ValueError(f"fused_forward: {why}")
+    M = x.shape[0] if index is None else index.shape[0]
+    if epilogue == "scale" and (scale is None or scale.shape != (M,)):
+        raise ValueError(f"fused_forward: the scale epilogue takes scale of shape ({M},), got "
+                         f"{None if scale is None else scale.shape}")
+    why = available()
+    if why is not None:
+        raise RuntimeError(f"fused_forward: the CUTLASS grouped GEMM does not run here: {why}")
+    bootstrap.register_targets("gemm")
+    N = w.shape[2] // 2 if epilogue == "swiglu" else w.shape[2]
+    none_i, none_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call("ep_comm_grouped_gemm_fused", jax.ShapeDtypeStruct((M, N), x.dtype))
+    return call(x, none_i if index is None else index.astype(jnp.int32), w,
+                group_sizes.astype(jnp.int32),
+                none_f if scale is None else scale.astype(jnp.float32),
+                epilogue=np.int64(EPILOGUES.index(epilogue)), config=np.int64(config),
+                zero_tail=np.int64(bool(zero_tail)))
+
+
+def fused_forward_reference(x, w, group_sizes, *, index=None, epilogue: str = "store",
+                            scale=None):
+    """:func:`fused_forward` in plain JAX (any platform; float32 products, rows past the groups
+    zero): what the kernel is checked against."""
+    M = x.shape[0] if index is None else index.shape[0]
+    rows = x if index is None else jnp.where(
+        ((index >= 0) & (index < x.shape[0]))[:, None],
+        jnp.take(x, jnp.clip(index, 0, x.shape[0] - 1), axis=0), 0)
+    # the sizes clamped as the kernel clamps them (a negative size is 0, the groups end at M)
+    ends = jnp.minimum(jnp.cumsum(jnp.clip(jnp.asarray(group_sizes, jnp.int32), 0)), M)
+    clamped = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    acc = jax.lax.ragged_dot(rows.astype(jnp.float32), w.astype(jnp.float32), clamped)
+    total = ends[-1] if ends.shape[0] else 0
+    if epilogue == "swiglu":
+        I = w.shape[2] // 2
+        acc = jax.nn.silu(acc[:, :I]) * acc[:, I:]
+    elif epilogue == "scale":
+        acc = acc * scale[:, None]
+    return jnp.where((jnp.arange(M) < total)[:, None], acc, 0).astype(x.dtype)

@@ -103,6 +103,8 @@ if step gemm; then
   compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
     "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
     2>&1 | tail -8 | tee "$OUT/gemm_sanitizer.txt"
+  timeout "${FUSED_TIMEOUT:-120}" "$PY" scripts/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
+    | tail -30 | tee "$OUT/fused_gemm.txt"
   timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
     -k "${GEMM_TESTS:-cutlass or grouped_gemm}" -rf 2>&1 | tail -12 \
     | tee "$OUT/gemm_tests.txt"
