@@ -284,6 +284,101 @@ def test_grouped_gemm_cutlass_selftest_and_determinism(rng):
                                    atol=2 ** -7 * (1 + np.abs(ref).max()), err_msg=name)
 
 
+def _fused_case(rng, sizes, M, X=96, K=200, N=384, dtype=jnp.bfloat16):
+    """Operands of the fused forward pass: K and N tails in every tile, indices outside [0, X)."""
+    x = jnp.asarray(rng.standard_normal((X, K)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), K, N)) / np.sqrt(K), dtype)
+    index = jnp.asarray(rng.integers(-2, X + 2, size=M), jnp.int32)
+    scale = jnp.asarray(rng.random(M), jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32), index, scale
+
+
+def test_fused_forward_reference_is_the_unfused_passes(rng):
+    """The fused pass's reference (what the kernel is checked against) is gather, grouped GEMM,
+    then SwiGLU or the row scale, with the kernel's clamping of malformed sizes and indices."""
+    sizes = [7, -3, 500, 9]  # a negative size and a total past M: clamped to 7, 0, 143, 0
+    x, w, gs, index, scale = _fused_case(rng, sizes, 150, dtype=jnp.float32)
+    idx = np.asarray(index)
+    rows = np.where(((idx >= 0) & (idx < x.shape[0]))[:, None],
+                    np.asarray(x, np.float64)[np.clip(idx, 0, x.shape[0] - 1)], 0)
+    acc = np.zeros((150, w.shape[2]))
+    w64 = np.asarray(w, np.float64)
+    acc[:7] = rows[:7] @ w64[0]
+    acc[7:150] = rows[7:150] @ w64[2]
+    I = w.shape[2] // 2
+    want = {"store": acc, "scale": acc * np.asarray(scale)[:, None],
+            "swiglu": acc[:, :I] / (1 + np.exp(-acc[:, :I])) * acc[:, I:]}
+    for epilogue in grouped_gemm.EPILOGUES:
+        got = grouped_gemm.fused_forward_reference(
+            x, w, gs, index=index, epilogue=epilogue,
+            scale=scale if epilogue == "scale" else None)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want[epilogue], rtol=1e-5,
+                                   atol=1e-5, err_msg=epilogue)
+    # without an index, row r reads x's row r; rows past the groups are zero
+    got = grouped_gemm.fused_forward_reference(x, w, jnp.array([3, 0, 2, 0]))
+    np.testing.assert_allclose(np.asarray(got)[5:], 0)
+    np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(x)[:3] @ np.asarray(w)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_fused_forward_rules():
+    """The fused pass checks what its kernel takes (naming the argument) before asking whether
+    it runs here."""
+    xb, wb = jnp.zeros((6, 16), jnp.bfloat16), jnp.zeros((3, 16, 24), jnp.bfloat16)
+    gs = jnp.zeros(3, jnp.int32)
+    cases = [
+        (dict(epilogue="gelu"), ValueError,
+         "fused_forward: epilogue must be one of ('store', 'swiglu', 'scale'), got 'gelu'"),
+        (dict(epilogue="swiglu", config=1), ValueError,
+         "fused_forward: config must be one of (0, 1) (0 with swiglu), got 1"),
+        (dict(epilogue="swiglu"), ValueError,
+         "fused_forward: swiglu needs N = 2I with I a multiple of 8, got N=24"),
+        (dict(epilogue="scale", index=jnp.zeros(4, jnp.int32)), ValueError,
+         "fused_forward: the scale epilogue takes scale of shape (4,), got None"),
+    ]
+    for kw, err, msg in cases:
+        with pytest.raises(err, match=re.escape(msg)):
+            grouped_gemm.fused_forward(xb, wb, gs, **kw)
+    with pytest.raises(ValueError, match=re.escape(
+            "fused_forward: x (X, K), w (G, K, N) and group_sizes (G,) must fit, got x (6, 16), "
+            "w (3, 8, 24), group_sizes (3,)")):
+        grouped_gemm.fused_forward(xb, jnp.zeros((3, 8, 24), jnp.bfloat16), gs)
+    with pytest.raises(ValueError, match=re.escape(
+            "fused_forward: the kernel takes bfloat16 or float16 operands of one dtype, got "
+            "float32 and bfloat16")):
+        grouped_gemm.fused_forward(xb.astype(jnp.float32), wb, gs)
+    if grouped_gemm.available() is not None:
+        with pytest.raises(RuntimeError, match=re.escape(
+                "fused_forward: the CUTLASS grouped GEMM does not run here: "
+                + grouped_gemm.available())):
+            grouped_gemm.fused_forward(xb, wb, gs)
+
+
+@CUTLASS
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_forward_kernel_equals_its_reference(rng, dtype):
+    """The fused kernel (gathered rows, each epilogue and tile config) against the reference at
+    malformed sizes and indices, its selftest (what compute-sanitizer runs), and the same bits
+    twice."""
+    from collectives import bootstrap
+    assert bootstrap.load("gemm")[0].fused_selftest() == 0
+    for sizes, M in (([40, 0, 131, 1, 9], 181), ([7, -3, 500, 9, 2], 150), ([0] * 5, 64)):
+        x, w, gs, index, scale = _fused_case(rng, sizes, M, dtype=jnp.dtype(dtype))
+        for epilogue in grouped_gemm.EPILOGUES:
+            kw = dict(index=index, epilogue=epilogue,
+                      scale=scale if epilogue == "scale" else None)
+            want = np.asarray(grouped_gemm.fused_forward_reference(x, w, gs, **kw), np.float64)
+            for config in grouped_gemm.CONFIGS if epilogue != "swiglu" else (0,):
+                run = jax.jit(lambda *a, c=config, kw=kw: grouped_gemm.fused_forward(
+                    *a, config=c, **kw))
+                got, again = run(x, w, gs), run(x, w, gs)
+                np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                              np.asarray(again).view(np.uint16))
+                np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7,
+                                           atol=2 ** -7 * (1 + np.abs(want).max()),
+                                           err_msg=f"{epilogue} config {config} sizes {sizes}")
+
+
 # ---- moe_layer -----------------------------------------------------------------------------------
 
 def layer_config(n, **kw):
