@@ -31,7 +31,10 @@ def expert_rows_read(recv_pos, C):
 class Expanded:
     """``expert_x`` ``(C, H)`` and the handle fields that describe it (see ``EPHandle``):
     ``group_sizes`` ``(L,)``, ``recv_pos`` and ``recv_weights`` ``(R, K)`` per row of the receive
-    buffer, ``expert_token`` ``(C,)``; ``num_grouped``: ``sum(group_sizes)``."""
+    buffer, ``expert_token`` ``(C,)``; ``num_grouped``: ``sum(group_sizes)``; ``sources``
+    ``(C,)``: the receive-buffer row each row of ``expert_x`` holds (negative: a zero row or past
+    them), so that ``expert_x`` is ``rows`` gathered by it (``expert_x`` is None where the caller
+    gathers the rows itself: :func:`ep_comm.fused` reads them in its GEMM's prologue)."""
 
     expert_x: jax.Array
     group_sizes: jax.Array
@@ -39,10 +42,12 @@ class Expanded:
     recv_weights: jax.Array
     expert_token: jax.Array
     num_grouped: jax.Array
+    sources: jax.Array
+    rows: jax.Array
 
 
 def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
-           split_at=None, round_trip=False, layout=None) -> Expanded:
+           split_at=None, round_trip=False, layout=None, materialize=True) -> Expanded:
     """Rows of ``route``'s receive buffer (the first ``num_recv`` in the flat order are used) into
     ``expert_x``: rows ordered by local expert, then (source rank, source token, k); the rows past
     ``sum(group_sizes)``: the first :data:`ZERO_TAIL_ROWS` zero, the others unspecified (zero with
@@ -54,7 +59,8 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     with ``split_at`` its bytes), quantized on the way in one pass. Pairs past
     ``cfg.expert_rows`` are dropped (counted by dispatch). ``layout``: the buffer's
     :class:`~collectives.row_kernels.ExpertLayout` when the caller has it already (one rank:
-    ``row_kernels.local_layout``)."""
+    ``row_kernels.local_layout``). ``materialize=False``: ``expert_x`` is not written (None; an
+    unquantized buffer only), the caller gathers ``rows`` by ``sources``."""
     R, C, L = cfg.recv_token_rows, cfg.expert_rows, cfg.experts_per_rank
     buf_x, buf_route, flat_to_buf = route.x, route.route, route.flat_to_buf
     # routing in the flat order (source rank, source token); flat_to_buf: the receive-buffer row
@@ -85,7 +91,11 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     sources = jnp.where(q < filled, token, jnp.where(q < filled + fill.shape[0], -1, -2))
     if cfg.wire_format is not None:
         block, mx = wire.BLOCK[cfg.wire_format], cfg.wire_format == "mxfp8"
-    if round_trip:  # no wire: each row quantized in registers, written as codes and scales or
+    if not materialize:
+        if cfg.wire_format is not None:
+            raise ValueError("expand: materialize=False takes unquantized rows (wire_format None)")
+        expert_x = None
+    elif round_trip:  # no wire: each row quantized in registers, written as codes and scales or
         # dequantized
         quantizing = row_kernels.scatter_quant if split_at else row_kernels.scatter_fake_quant
         expert_x = quantizing(buf_x, targets, fill, C, block=block, mx=mx)
@@ -101,4 +111,5 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     else:
         expert_x = row_kernels.scatter(buf_x, targets, fill, C, sources=sources)
 
-    return Expanded(expert_x, lay.group_sizes, recv_pos, recv_w, lay.expert_token, filled)
+    return Expanded(expert_x, lay.group_sizes, recv_pos, recv_w, lay.expert_token, filled,
+                    sources, buf_x)

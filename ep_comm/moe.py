@@ -97,9 +97,12 @@ def dispatch(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized: b
                                 return_quantized=return_quantized))
 
 
-def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized=False):
+def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quantized=False,
+                   materialize=True):
     """:func:`dispatch` as a step generator (:func:`ep_comm.routes.drive`): it yields its
-    exchanges and returns ``(expert_x, handle)``."""
+    exchanges and returns ``(expert_x, handle)``; with ``materialize=False`` (unquantized wire
+    only; what the fused layer runs) ``((rows, sources), handle)`` instead: the receive buffer and
+    the row of it each row of ``expert_x`` would hold (negative: zero), ``expert_x`` unwritten."""
     api = "dispatch"
     _check_axis(api, config)
     x = jnp.asarray(x)
@@ -170,7 +173,7 @@ def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quanti
     # here carry none)
     ex = expand(cfg, moved, R if local else num_recv, me, dequantize_to,
                 split_at=x.shape[1] if return_quantized else None, round_trip=round_trip,
-                layout=layout)
+                layout=layout, materialize=materialize)
     sent = link_rows(plan, moved.legs, me)  # per link class, dispatch and combine
     expected = jnp.sum(pairs[:, me])
     handle = EPHandle(
@@ -191,6 +194,8 @@ def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quanti
     )
     if cfg.overflow == "raise":
         handle = runtime_check(handle)
+    if not materialize:
+        return (ex.rows, ex.sources), handle
     if cfg.wire_format is None:
         return ex.expert_x, handle
     if return_quantized:

@@ -456,6 +456,84 @@ def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared
         np.testing.assert_array_equal(got[5], 0.0)
 
 
+@functools.lru_cache(maxsize=None)
+def fused_program(sharded, cfg):
+    """The fused path (reference kernels) and its gradients in x, the router weights, w_in and
+    w_out."""
+    from jax.sharding import PartitionSpec as P
+    from ep_comm import fused
+
+    def f(x, ids, w, w_in, w_out, cot):
+        def loss(x, w, w_in, w_out):
+            y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel="reference")[0]
+            return jax.lax.psum(jnp.sum(y * cot), "ep"), y
+        grads, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, w_in, w_out)
+        return (y,) + grads
+
+    return jax.jit(jax.shard_map(f, mesh=sharded.mesh, in_specs=(P("ep"),) * 6,
+                                 out_specs=(P("ep"),) * 5))
+
+
+@pytest.mark.parametrize("kind", ["masked", "one_rank"])
+def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind):
+    """The layer's fused path (dispatch stopping at the receive buffer, the gather and SwiGLU in
+    the up projection, the router weights in the down projection, combine summing unit-weight
+    rows; its custom VJP), run with the fused kernel's reference: the dense layer's values and
+    gradients, repeated experts in a token ("one_rank") and empty slots ("masked") included."""
+    x, ids, w, w_in, w_out, s_in, s_out, cot = layer_inputs(rng, n, kind)
+    cfg = layer_config(n, capacity_factor=None)  # one round: the fused path's case
+    got = sharded.get(fused_program(sharded, cfg)(*sharded.put(x, ids, w, w_in, w_out, cot)))
+    want = dense_reference(x, ids, w, w_in, w_out, s_in, s_out, cot, False)
+    for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out"), got, want):
+        assert g.shape == r.shape, name
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+    if kind == "masked" and grouped_gemm.available() is not None:
+        # moe_layer takes this path with implementation="cutlass", which says where it runs
+        def layer(x, ids, w, w_in, w_out):
+            return ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
+                                     implementation="cutlass")
+        from jax.sharding import PartitionSpec as P
+        with pytest.raises(ValueError, match=re.escape(
+                "moe_layer: implementation='cutlass' does not run here: "
+                + grouped_gemm.available())):
+            jax.jit(jax.shard_map(layer, mesh=sharded.mesh, in_specs=(P("ep"),) * 5,
+                                  out_specs=P("ep")))(*sharded.put(x, ids, w, w_in, w_out))
+
+
+@CUTLASS
+def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
+    """moe_layer(implementation="cutlass") runs the fused path on Hopper: the fused kernels'
+    values and gradients against the same path with the kernels' plain-JAX reference, bf16."""
+    from jax.sharding import PartitionSpec as P
+    from ep_comm import fused
+    x, ids, w, w_in, w_out, _, _, cot = layer_inputs(rng, n, "one_rank")
+    bf = lambda *a: [jnp.asarray(v, jnp.bfloat16) for v in a]  # noqa: E731
+    x, w_in, w_out, cot = bf(x, w_in, w_out, cot)
+    cfg = layer_config(n, capacity_factor=None)
+
+    def run(kernel):
+        def f(x, ids, w, w_in, w_out, cot):
+            def loss(x, w, w_in, w_out):
+                if kernel == "cutlass":
+                    y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
+                                          implementation="cutlass")
+                else:
+                    y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel=kernel)[0]
+                return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * cot), "ep"), y
+            grads, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, w_in, w_out)
+            return (y,) + grads
+        return sharded.get(jax.jit(jax.shard_map(
+            f, mesh=sharded.mesh, in_specs=(P("ep"),) * 6, out_specs=(P("ep"),) * 5))(
+                *sharded.put(x, ids, w, w_in, w_out, cot)))
+
+    got, want = run("cutlass"), run("reference")
+    for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out"), got, want):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        np.testing.assert_allclose(g, r, rtol=2 ** -6, atol=2 ** -6 * (1 + np.abs(r).max()),
+                                   err_msg=name)
+
+
 def test_layer_user_experts_and_handle(sharded, n, rng):
     """experts= gets expert_x and group_sizes; return_handle gives dispatch's handle (one
     worst-case round: capacity_factor=None)."""

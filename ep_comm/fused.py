@@ -1,0 +1,123 @@
+"""The MoE layer's fused path: the SwiGLU experts' GEMMs read the exchange's buffer directly.
+
+:func:`moe_layer` with ``implementation="cutlass"`` runs its SwiGLU experts here (one chunk, one
+round, no FP8 wire): dispatch stops at the receive buffer and the row of it each (token, local
+expert) pair reads (``materialize=False``), so ``expert_x`` is never written;
+
+- the up projection gathers those rows in its prologue and writes ``h = silu(gate) * up``
+  (``u``, 2I wide, is never written);
+- the down projection multiplies each pair's row by its router weight (the sum of its slots'
+  weights, float32) in its epilogue, so combine only sums each token's rows, in its fixed order,
+  with unit weights.
+
+The backward (a custom VJP) recomputes ``u`` and the unweighted ``h @ w_out`` with the same
+kernels rather than keeping them (two GEMMs' time against ``C x (2I + H)`` elements of memory),
+then runs the grouped ``dlhs``/``drhs`` passes (no transposes), the SwiGLU's derivative, and the
+gather's transpose as a sum over each received row's pairs in ``k`` order (deterministic, no
+atomics). ``kernel="reference"`` runs the same path with the plain-JAX reference of the fused
+kernel and ``lax.ragged_dot`` passes: how the CPU tests check it against the unfused layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from collectives import grouped_gemm
+from ep_comm.config import EPConfig
+from ep_comm.expand import expert_rows_read
+from ep_comm.gemm import pass_kernel, resolve
+from ep_comm.moe import combine, dispatch_steps
+from ep_comm.routes import drive
+from ep_comm.rows import gather_sum
+
+KERNELS = ("cutlass", "reference")
+
+
+def _forward(kernel: str):
+    """The fused forward pass: the kernel, or its plain-JAX reference."""
+    if kernel == "cutlass":
+        return grouped_gemm.fused_forward
+    return lambda *a, config=0, **kw: grouped_gemm.fused_forward_reference(*a, **kw)
+
+
+def _passes(kernel: str):
+    impl = "cutlass" if kernel == "cutlass" else "xla"
+    return pass_kernel("dlhs", impl), pass_kernel("drhs", impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def fused_experts(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel):
+    """``pair_w[r] * (swiglu(rows[sources[r]] @ w_in[g]) @ w_out[g])`` for the pairs ``r`` of
+    group ``g`` (``(C, H)``, zero past the groups); ``recv_pos`` ``(R, K)`` (each received row's
+    pairs, ``C`` for none) is what the gather's transpose sums over."""
+    fwd = _forward(kernel)
+    h = fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
+    return fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
+
+
+def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel):
+    fwd = _forward(kernel)
+    h = fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
+    y = fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
+    return y, (rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h)
+
+
+def _fused_bwd(kernel, res, dy_w):
+    rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h = res
+    fwd, (dlhs, drhs) = _forward(kernel), _passes(kernel)
+    dt, C, I = rows.dtype, sources.shape[0], w_out.shape[1]
+    grouped = jnp.arange(C) < jnp.sum(group_sizes)
+    # the router weights': each pair's unweighted output row, recomputed
+    y = fwd(h, w_out, group_sizes)
+    d_pair_w = jnp.where(grouped, jnp.sum(dy_w.astype(jnp.float32) * y.astype(jnp.float32), 1),
+                         0.0)
+    dy = (dy_w.astype(jnp.float32) * pair_w[:, None]).astype(dt)
+    dh = dlhs(dy, w_out, group_sizes, dt)
+    dw_out = drhs(h, dy, group_sizes, dt)
+    # the SwiGLU's derivative on u, recomputed (gate first, then up)
+    u = fwd(rows, w_in, group_sizes, index=sources).astype(jnp.float32)
+    gate, up, dh32 = u[:, :I], u[:, I:], dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    d_gate = dh32 * up * sig * (1 + gate * (1 - sig))
+    du = jnp.concatenate([d_gate, dh32 * gate * sig], axis=1).astype(dt)
+    d_expert_x = dlhs(du, w_in, group_sizes, dt)
+    # the gathered rows, for the weight gradient (read by the gather in its prologue: to build)
+    expert_x = jnp.where((sources >= 0)[:, None],
+                         jnp.take(rows, jnp.clip(sources, 0, rows.shape[0] - 1), axis=0), 0)
+    dw_in = drhs(expert_x, du, group_sizes, dt)
+    # the gather's transpose: each received row sums its pairs' rows (each pair once, k in order)
+    first = expert_rows_read(recv_pos, C) < C
+    d_rows = gather_sum(d_expert_x, recv_pos, first, out_dtype=dt)
+    zeros = lambda a: jnp.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return (d_rows, zeros(sources), zeros(recv_pos), zeros(group_sizes), dw_in.astype(w_in.dtype),
+            dw_out.astype(w_out.dtype), d_pair_w)
+
+
+fused_experts.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_moe(x, topk_ids, topk_weights, config: EPConfig, w_in, w_out, kernel: str = "cutlass"):
+    """:func:`ep_comm.moe_layer`'s SwiGLU experts through the fused kernels, for one chunk in one
+    round (``config.is_dropless``) with no FP8 wire: returns ``((T, H) y, handle)``. Arguments
+    as ``moe_layer``'s, checked there."""
+    if kernel not in KERNELS:
+        raise ValueError(f"fused_moe: kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "cutlass":  # where it runs, and the dtypes it takes (moe_layer's own words)
+        resolve("cutlass", x.dtype, api="moe_layer")
+    (rows, sources), handle = drive(dispatch_steps(x, topk_ids, topk_weights, config,
+                                                   materialize=False))
+    C = config.expert_rows
+    # each pair's weight: the sum of the slots that point at it (a token listing one expert
+    # twice has one row), float32
+    pair_w = jnp.zeros((C,), jnp.float32).at[handle.recv_pos].add(handle.recv_weights,
+                                                                   mode="drop")
+    y_pairs = fused_experts(rows, sources, handle.recv_pos, handle.group_sizes, w_in, w_out,
+                            pair_w, kernel)
+    # combine sums each token's rows, each once, unweighted: the weights are in y_pairs
+    first = expert_rows_read(handle.recv_pos, C) < C
+    unit = dataclasses.replace(handle, recv_weights=first.astype(jnp.float32))
+    return combine(y_pairs, unit), handle
