@@ -41,7 +41,8 @@ def _forward(kernel: str):
     """The fused forward pass: the kernel, or its plain-JAX reference."""
     if kernel == "cutlass":
         return grouped_gemm.fused_forward
-    return lambda *a, config=0, **kw: grouped_gemm.fused_forward_reference(*a, **kw)
+    return lambda *a, config=0, zero_tail=True, **kw: grouped_gemm.fused_forward_reference(
+        *a, **kw)
 
 
 def _passes(kernel: str):
@@ -54,13 +55,13 @@ def fused_experts(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, ker
     """``pair_w[r] * (swiglu(rows[sources[r]] @ w_in[g]) @ w_out[g])`` for the pairs ``r`` of
     group ``g`` (``(C, H)``, zero past the groups); ``recv_pos`` ``(R, K)`` (each received row's
     pairs, ``C`` for none) is what the gather's transpose sums over."""
-    fwd = _forward(kernel)
-    h = fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
-    return fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
+    return _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel)[0]
 
 
 def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel):
-    fwd = _forward(kernel)
+    # rows past the groups are left unwritten (zero_tail=False) here and in the backward: no
+    # later pass reads them (combine and the grouped passes read the groups' rows only)
+    fwd = functools.partial(_forward(kernel), zero_tail=False)
     h = fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
     y = fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
     return y, (rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h)
@@ -68,7 +69,7 @@ def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel
 
 def _fused_bwd(kernel, res, dy_w):
     rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h = res
-    fwd, (dlhs, drhs) = _forward(kernel), _passes(kernel)
+    fwd, (dlhs, drhs) = functools.partial(_forward(kernel), zero_tail=False), _passes(kernel)
     dt, C, I = rows.dtype, sources.shape[0], w_out.shape[1]
     grouped = jnp.arange(C) < jnp.sum(group_sizes)
     # the router weights': each pair's unweighted output row, recomputed
