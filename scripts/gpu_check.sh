@@ -7,7 +7,9 @@
 # engine's exchange at four sizes. STEPS picks steps (default: all of
 # build,tests,exchange,dispatch,topology; `sanitize` -- compute-sanitizer memcheck of the row
 # kernels' tests -- `gemm` -- the CUTLASS grouped GEMM: build (nvidia-cutlass from .whl/),
-# selftest under compute-sanitizer, its tests, the layer and GEMM passes beside tokamax -- and
+# selftests under compute-sanitizer, the fused forward probe, its tests, the layer and GEMM
+# passes beside tokamax; the built module lands in $OUT/prebuilt/, and GEMM_PREBUILT=1 with it
+# carried back as collectives/_ep_gemm*.so skips the build next time -- and
 # `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
 # (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
@@ -93,12 +95,18 @@ if step gemm; then
   # tokamax (the peer in the same run) as in the layer step
   install_wheels
   t0=$(date +%s)
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
-    -DEP_COMM_CUTLASS_DIR=/tmp/ep_comm_site/cutlass_library/source > "$OUT/build_gemm.txt" 2>&1 \
-    && cmake --build build --target _ep_gemm gemm_layout_test >> "$OUT/build_gemm.txt" 2>&1 \
-    && cp build/collectives/csrc/_ep_gemm*.so collectives/ || { tail -30 "$OUT/build_gemm.txt"; exit 1; }
-  echo "built in $(( $(date +%s) - t0 )) s"
-  build/collectives/csrc/gemm_layout_test | tail -3 | tee "$OUT/gemm_layout.txt"
+  # GEMM_PREBUILT=1: the module an earlier run built and returned (carry collectives/_ep_gemm*.so)
+  if [ "${GEMM_PREBUILT:-0}" = 1 ] && ls collectives/_ep_gemm*.so > /dev/null 2>&1; then
+    echo "using the carried $(ls collectives/_ep_gemm*.so)"
+  else
+    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
+      -DEP_COMM_CUTLASS_DIR=/tmp/ep_comm_site/cutlass_library/source > "$OUT/build_gemm.txt" 2>&1 \
+      && cmake --build build --target _ep_gemm gemm_layout_test >> "$OUT/build_gemm.txt" 2>&1 \
+      && cp build/collectives/csrc/_ep_gemm*.so collectives/ || { tail -30 "$OUT/build_gemm.txt"; exit 1; }
+    echo "built in $(( $(date +%s) - t0 )) s"
+    mkdir -p "$OUT/prebuilt" && cp collectives/_ep_gemm*.so "$OUT/prebuilt/"
+    build/collectives/csrc/gemm_layout_test | tail -3 | tee "$OUT/gemm_layout.txt"
+  fi
   "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
   compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
     "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
