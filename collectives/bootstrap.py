@@ -139,6 +139,8 @@ def register_targets(name: str) -> None:
                                         platform="CUDA")
             jax.ffi.register_ffi_target("ep_comm_grouped_gemm_fused", mod.fused_handler(),
                                         platform="CUDA")
+            jax.ffi.register_ffi_target("ep_comm_grouped_gemm_drhs_gather",
+                                        mod.drhs_gather_handler(), platform="CUDA")
         else:
             for target, fn in (("ep_comm_nccl_start", mod.start_handler),
                                ("ep_comm_nccl_done", mod.done_handler),

@@ -176,17 +176,65 @@ def fused_forward_reference(x, w, group_sizes, *, index=None, epilogue: str = "s
     """:func:`fused_forward` in plain JAX (any platform; float32 products, rows past the groups
     zero): what the kernel is checked against."""
     M = x.shape[0] if index is None else index.shape[0]
-    rows = x if index is None else jnp.where(
-        ((index >= 0) & (index < x.shape[0]))[:, None],
-        jnp.take(x, jnp.clip(index, 0, x.shape[0] - 1), axis=0), 0)
-    # the sizes clamped as the kernel clamps them (a negative size is 0, the groups end at M)
-    ends = jnp.minimum(jnp.cumsum(jnp.clip(jnp.asarray(group_sizes, jnp.int32), 0)), M)
-    clamped = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    rows = _gathered_rows(x, index)
+    clamped = _clamped_sizes(group_sizes, M)
     acc = jax.lax.ragged_dot(rows.astype(jnp.float32), w.astype(jnp.float32), clamped)
-    total = ends[-1] if ends.shape[0] else 0
+    total = jnp.sum(clamped)
     if epilogue == "swiglu":
         I = w.shape[2] // 2
         acc = jax.nn.silu(acc[:, :I]) * acc[:, I:]
     elif epilogue == "scale":
         acc = acc * scale[:, None]
     return jnp.where((jnp.arange(M) < total)[:, None], acc, 0).astype(x.dtype)
+
+
+def gathered_drhs(x, dy, group_sizes, *, index=None, config: int = 0):
+    """The weight gradient with ``x``'s rows gathered in the prologue
+    (``collectives/csrc/grouped_gemm_gather.cu``): ``out[g] = sum_r x[index[r]]^T dy[r]`` over
+    the rows ``r`` of group ``g`` (``(G, K, N)``, float32 sums; zero for an empty group), so the
+    pairs' rows are not written for the backward either. ``x`` ``(X, K)``, ``dy`` ``(M, N)``,
+    ``index`` int32 ``(M,)`` (outside ``[0, X)``: a zero row; none: ``x``'s row ``r``, ``X ==
+    M``); bfloat16 or float16, K and N multiples of 8. Raises as :func:`fused_forward`."""
+    if config not in CONFIGS:
+        raise ValueError(f"gathered_drhs: config must be one of {CONFIGS}, got {config!r}")
+    if x.ndim != 2 or dy.ndim != 2 or (index is None and x.shape[0] != dy.shape[0]) or (
+            index is not None and index.shape != (dy.shape[0],)):
+        raise ValueError(f"gathered_drhs: x (X, K), dy (M, N) and index (M,) must fit, got x "
+                         f"{x.shape}, dy {dy.shape}, index {None if index is None else index.shape}")
+    why = unsupported("drhs", x, dy, x.dtype)
+    if why is not None:
+        raise ValueError(f"gathered_drhs: {why}")
+    why = available()
+    if why is not None:
+        raise RuntimeError(f"gathered_drhs: the CUTLASS grouped GEMM does not run here: {why}")
+    bootstrap.register_targets("gemm")
+    G = group_sizes.shape[0]
+    call = jax.ffi.ffi_call("ep_comm_grouped_gemm_drhs_gather",
+                            jax.ShapeDtypeStruct((G, x.shape[1], dy.shape[1]), x.dtype))
+    return call(x, jnp.zeros((0,), jnp.int32) if index is None else index.astype(jnp.int32), dy,
+                group_sizes.astype(jnp.int32), config=np.int64(config))
+
+
+def _gathered_rows(x, index):
+    """``x``'s rows by ``index`` (outside ``[0, X)``: zero rows), or ``x``."""
+    if index is None:
+        return x
+    ok = (index >= 0) & (index < x.shape[0])
+    return jnp.where(ok[:, None], jnp.take(x, jnp.clip(index, 0, x.shape[0] - 1), axis=0), 0)
+
+
+def _clamped_sizes(group_sizes, M):
+    """The group sizes as the kernels clamp them (a negative size is 0, the groups end at M)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.clip(jnp.asarray(group_sizes, jnp.int32), 0)), M)
+    return ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+
+
+def gathered_drhs_reference(x, dy, group_sizes, *, index=None):
+    """:func:`gathered_drhs` in plain JAX (float32 products, in ``x``'s dtype)."""
+    rows = _gathered_rows(x, index).astype(jnp.float32)
+    sizes = _clamped_sizes(group_sizes, dy.shape[0])
+    out = jax.lax.ragged_dot_general(
+        rows, dy.astype(jnp.float32), sizes, jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[]))
+    return out.astype(x.dtype)

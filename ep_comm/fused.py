@@ -12,8 +12,9 @@ expert) pair reads (``materialize=False``), so ``expert_x`` is never written;
 
 The backward (a custom VJP) recomputes ``u`` and the unweighted ``h @ w_out`` with the same
 kernels rather than keeping them (two GEMMs' time against ``C x (2I + H)`` elements of memory),
-then runs the grouped ``dlhs``/``drhs`` passes (no transposes), the SwiGLU's derivative, and the
-gather's transpose as a sum over each received row's pairs in ``k`` order (deterministic, no
+then runs the grouped ``dlhs``/``drhs`` passes (no transposes; ``w_in``'s gradient reads the
+pairs' rows by the same gather, :func:`collectives.grouped_gemm.gathered_drhs`), the SwiGLU's
+derivative, and the gather's transpose as a sum over each received row's pairs in ``k`` order (deterministic, no
 atomics). ``kernel="reference"`` runs the same path with the plain-JAX reference of the fused
 kernel and ``lax.ragged_dot`` passes: how the CPU tests check it against the unfused layer.
 """
@@ -43,6 +44,14 @@ def _forward(kernel: str):
         return grouped_gemm.fused_forward
     return lambda *a, config=0, zero_tail=True, **kw: grouped_gemm.fused_forward_reference(
         *a, **kw)
+
+
+def _gathered_drhs(kernel: str):
+    """The weight gradient with the rows gathered in the prologue: the kernel, or its
+    reference."""
+    if kernel == "cutlass":
+        return grouped_gemm.gathered_drhs
+    return grouped_gemm.gathered_drhs_reference
 
 
 def _passes(kernel: str):
@@ -86,10 +95,8 @@ def _fused_bwd(kernel, res, dy_w):
     d_gate = dh32 * up * sig * (1 + gate * (1 - sig))
     du = jnp.concatenate([d_gate, dh32 * gate * sig], axis=1).astype(dt)
     d_expert_x = dlhs(du, w_in, group_sizes, dt)
-    # the gathered rows, for the weight gradient (read by the gather in its prologue: to build)
-    expert_x = jnp.where((sources >= 0)[:, None],
-                         jnp.take(rows, jnp.clip(sources, 0, rows.shape[0] - 1), axis=0), 0)
-    dw_in = drhs(expert_x, du, group_sizes, dt)
+    # the weight gradient reads the pairs' rows by the same gather (expert_x is not written)
+    dw_in = _gathered_drhs(kernel)(rows, du, group_sizes, index=sources)
     # the gather's transpose: each received row sums its pairs' rows (each pair once, k in order)
     first = expert_rows_read(recv_pos, C) < C
     d_rows = gather_sum(d_expert_x, recv_pos, first, out_dtype=dt)

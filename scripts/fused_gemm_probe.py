@@ -87,6 +87,14 @@ def main():
             x, w_in, gs, index, flops=up)
     row("fused gather up + swiglu", lambda u, v, g, i: gg.fused_forward(u, v, g, index=i, epilogue="swiglu"),
         x, w_in, gs, index, flops=up)
+    du = jnp.asarray(rng.standard_normal((M, 2 * I)), bf)
+    row("dense drhs up (H,M)@(M,2I)", lambda u, v: u.T @ v, gathered, du, flops=up)
+    row("gather + cutlass drhs up", lambda u, i, v, g: gg.grouped_gemm(
+        "drhs", jnp.take(u, i, axis=0), v, g), x, index, du, gs, flops=up)
+    for config in gg.CONFIGS:
+        row(f"gathered drhs up, config {config}",
+            lambda u, v, g, i, c=config: gg.gathered_drhs(u, v, g, index=i, config=c),
+            x, du, gs, index, flops=up)
     row("dense down (M,I)@(I,H)", lambda u, v: u @ v, h, dense_out, flops=down)
     row("cutlass down", lambda u, v, g: gg.grouped_gemm("forward", u, v, g), h, w_out, gs,
         flops=down)
@@ -95,9 +103,10 @@ def main():
             lambda u, v, g, s, c=config: gg.fused_forward(u, v, g, epilogue="scale", scale=s, config=c),
             h, w_out, gs, scale, flops=down)
     print(f"# M={M} pairs gathered from X={X} rows, H={H}, I={I}, G={G}, bf16; median of {a.iters}")
-    dense = {"up": rows[0]["us"], "down": rows[next(i for i, r in enumerate(rows) if r["name"].startswith("dense down"))]["us"]}
+    dense = {k: next(r["us"] for r in rows if r["name"].startswith(f"dense {k}"))
+             for k in ("up", "drhs", "down")}
     for r in rows:
-        ref = dense["down"] if "down" in r["name"] else dense["up"]
+        ref = dense[next((k for k in ("drhs", "down") if k in r["name"]), "up")]
         print(f"{r['name']:40s} {r['us']:10.1f} us {r['tflops']:7.1f} TFLOP/s  {r['us'] / ref:5.2f}x dense")
     if a.json:
         with open(a.json, "w") as f:

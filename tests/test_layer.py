@@ -314,6 +314,13 @@ def test_fused_forward_reference_is_the_unfused_passes(rng):
             scale=scale if epilogue == "scale" else None)
         np.testing.assert_allclose(np.asarray(got, np.float64), want[epilogue], rtol=1e-5,
                                    atol=1e-5, err_msg=epilogue)
+    # the gathered weight gradient's reference: the gathered rows' grouped x^T dy
+    dy = jnp.asarray(rng.standard_normal((150, 24)), jnp.float32)
+    got = grouped_gemm.gathered_drhs_reference(x, dy, gs, index=index)
+    dy64 = np.asarray(dy, np.float64)
+    want_dw = np.stack([rows[:7].T @ dy64[:7], np.zeros((x.shape[1], 24)),
+                        rows[7:150].T @ dy64[7:150], np.zeros((x.shape[1], 24))])
+    np.testing.assert_allclose(np.asarray(got, np.float64), want_dw, rtol=1e-5, atol=1e-4)
     # without an index, row r reads x's row r; rows past the groups are zero
     got = grouped_gemm.fused_forward_reference(x, w, jnp.array([3, 0, 2, 0]))
     np.testing.assert_allclose(np.asarray(got)[5:], 0)
@@ -352,14 +359,25 @@ def test_fused_forward_rules():
                 "fused_forward: the CUTLASS grouped GEMM does not run here: "
                 + grouped_gemm.available())):
             grouped_gemm.fused_forward(xb, wb, gs)
+    with pytest.raises(ValueError, match=re.escape(
+            "gathered_drhs: x (X, K), dy (M, N) and index (M,) must fit, got x (6, 16), dy (5, "
+            "24), index (4,)")):
+        grouped_gemm.gathered_drhs(xb, jnp.zeros((5, 24), jnp.bfloat16), gs,
+                                   index=jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match=re.escape(
+            "gathered_drhs: the kernel needs K and N to be multiples of 8, got K=16, N=12")):
+        grouped_gemm.gathered_drhs(xb, jnp.zeros((6, 12), jnp.bfloat16), gs)
+    with pytest.raises(ValueError, match=re.escape(
+            "gathered_drhs: config must be one of (0, 1), got 3")):
+        grouped_gemm.gathered_drhs(xb, jnp.zeros((6, 24), jnp.bfloat16), gs, config=3)
 
 
 @CUTLASS
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fused_forward_kernel_equals_its_reference(rng, dtype):
-    """The fused kernel (gathered rows, each epilogue and tile config) against the reference at
-    malformed sizes and indices, its selftest (what compute-sanitizer runs), and the same bits
-    twice."""
+    """The fused kernel (gathered rows, each epilogue and tile config) and the gathered weight
+    gradient against their references at malformed sizes and indices, the selftest (what
+    compute-sanitizer runs), and the same bits twice."""
     from collectives import bootstrap
     assert bootstrap.load("gemm")[0].fused_selftest() == 0
     for sizes, M in (([40, 0, 131, 1, 9], 181), ([7, -3, 500, 9, 2], 150), ([0] * 5, 64)):
@@ -377,6 +395,14 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
                 np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7,
                                            atol=2 ** -7 * (1 + np.abs(want).max()),
                                            err_msg=f"{epilogue} config {config} sizes {sizes}")
+        dy = jnp.asarray(rng.standard_normal((M, 136)), jnp.dtype(dtype))
+        want = np.asarray(grouped_gemm.gathered_drhs_reference(x, dy, gs, index=index),
+                          np.float64)
+        for config in grouped_gemm.CONFIGS:
+            got = grouped_gemm.gathered_drhs(x, dy, gs, index=index, config=config)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7,
+                                       atol=2 ** -7 * (1 + np.abs(want).max()),
+                                       err_msg=f"gathered drhs config {config} sizes {sizes}")
 
 
 # ---- moe_layer -----------------------------------------------------------------------------------

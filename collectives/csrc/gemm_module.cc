@@ -10,6 +10,8 @@ NB_MODULE(_ep_gemm, m) {
   m.def("grouped_gemm_handler",
         []() { return nb::capsule(ep_comm::gemm::grouped_gemm_handler()); });
   m.def("fused_handler", []() { return nb::capsule(ep_comm::gemm::fused_handler()); });
+  m.def("drhs_gather_handler",
+        []() { return nb::capsule(ep_comm::gemm::drhs_gather_handler()); });
   m.def("fused_selftest", &ep_comm::gemm::fused_selftest,
         "Run the fused forward pass (gather, each epilogue) on malformed and well-formed sizes and "
         "indices outside XLA; returns wrong values, -1 when CUDA fails, -2 without a Hopper GPU.");

@@ -24,7 +24,11 @@ long long selftest();
 // and the SwiGLU or per-row scale epilogue (grouped_gemm_gather.cu).
 void* fused_handler();
 
-// The fused forward pass on small problems with malformed sizes and indices, each epilogue and
+// XLA FFI handler ep_comm_grouped_gemm_drhs_gather: the weight gradient with x's rows gathered
+// by index (grouped_gemm_gather.cu).
+void* drhs_gather_handler();
+
+// The fused forward pass and the gathered weight gradient on small problems with malformed sizes and indices, each epilogue and
 // tile config, outside XLA: wrong values, -1 when CUDA fails, -2 without a Hopper GPU.
 long long fused_selftest();
 

@@ -70,6 +70,31 @@ ffi::Error launch_epilogue(cudaStream_t stream, const Params<E>& p, int epilogue
   }
 }
 
+template <class E, class Config>
+ffi::Error launch_drhs(cudaStream_t stream, const DrhsParams<E>& p) {
+  using T = Traits<E, Config, cutlass::layout::ColumnMajor>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      drhs_kernel<T, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (attr != cudaSuccess) {
+    return ffi::Error::Internal("ep_comm gathered drhs: shared memory attribute: " +
+                                std::string(cudaGetErrorString(attr)));
+  }
+  const int64_t tiles = ((p.K + T::BM - 1) / T::BM) * ((p.N + T::BN - 1) / T::BN);
+  if (tiles > INT32_MAX || p.G > 65535) {
+    return ffi::Error::InvalidArgument("ep_comm gathered drhs: the problem is too large for its "
+                                       "grid");
+  }
+  if (tiles == 0 || p.G == 0) return ffi::Error::Success();
+  drhs_kernel<T, E><<<dim3(unsigned(tiles), unsigned(p.G)), T::kThreads, T::kSmemBytes, stream>>>(p);
+  return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
+                                               : ffi::Error::Internal(cuda_error("drhs launch"));
+}
+
+template <class E>
+ffi::Error run_drhs(cudaStream_t stream, const DrhsParams<E>& p, int config) {
+  return config == 1 ? launch_drhs<E, Single>(stream, p) : launch_drhs<E, Cooperative>(stream, p);
+}
+
 template <class E>
 ffi::Error run(cudaStream_t stream, const Params<E>& p, int epilogue, int config, bool zero_tail) {
   if (p.M > 0 && p.N > 0) {
@@ -161,7 +186,68 @@ ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> in
   return run(stream, make(cutlass::half_t{}), int(epilogue), int(config), zero_tail != 0);
 }
 
+ffi::Error DrhsGather(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                      ffi::AnyBuffer dy, ffi::Buffer<ffi::S32> group_sizes,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t config) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("ep_comm gathered drhs: " + what);
+  };
+  if (config < 0 || config >= kConfigs) {
+    return bad("config must be in [0, 2), got " + std::to_string(config));
+  }
+  const auto dt = x.element_type();
+  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || dy.element_type() != dt ||
+      out->element_type() != dt) {
+    return bad("x, dy and the result must all be bfloat16 or all float16");
+  }
+  const auto xd = x.dimensions(), yd = dy.dimensions(), od = out->dimensions();
+  const int64_t G = group_sizes.element_count();
+  if (xd.size() != 2 || yd.size() != 2 || od.size() != 3 || od[0] != G || od[1] != xd[1] ||
+      od[2] != yd[1]) {
+    return bad("x " + dims(x) + ", dy " + dims(dy) + ", " + std::to_string(G) +
+               " groups and a result of " + dims(*out) + " do not fit (x (X, K), dy (M, N), "
+               "the result (G, K, N))");
+  }
+  const int64_t X = xd[0], K = xd[1], M = yd[0], N = yd[1];
+  const int64_t n_index = index.element_count();
+  if (n_index != M && !(n_index == 0 && X == M)) {
+    return bad("index must hold one row per row of dy (" + std::to_string(M) + "), or none "
+               "when x has dy's rows; got " + std::to_string(n_index) + " for x " + dims(x));
+  }
+  if (K % 8 || N % 8) {
+    return bad("K and N must be multiples of 8, got K=" + std::to_string(K) + ", N=" +
+               std::to_string(N));
+  }
+  if (out->element_count() == 0) return ffi::Error::Success();
+  if (!detail::hopper()) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "ep_comm gathered drhs: its kernels are sm_90a (Hopper) only, and this GPU "
+                      "is not a Hopper");
+  }
+  auto make = [&](auto tag) {
+    using E = decltype(tag);
+    return DrhsParams<E>{static_cast<const E*>(x.untyped_data()),
+                         n_index ? index.typed_data() : nullptr,
+                         static_cast<const E*>(dy.untyped_data()), group_sizes.typed_data(),
+                         static_cast<E*>(out->untyped_data()), X, M, G, K, N};
+  };
+  if (dt == ffi::DataType::BF16) return run_drhs(stream, make(cutlass::bfloat16_t{}), int(config));
+  return run_drhs(stream, make(cutlass::half_t{}), int(config));
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDrhsGather, DrhsGather,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // x (X, K)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // index (M,) or (0,)
+                                  .Arg<ffi::AnyBuffer>()         // dy (M, N)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
+                                  .Ret<ffi::AnyBuffer>()         // out (G, K, N)
+                                  .Attr<int64_t>("config"));     // tile config
+
+void* drhs_gather_handler() { return reinterpret_cast<void*>(kDrhsGather); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFused, Fused,
                               ffi::Ffi::Bind()
@@ -263,6 +349,33 @@ long long fused_selftest() {
       for (int64_t r = total; r < M; ++r) {
         for (int64_t c = 0; c < cols; ++c) wrong += bf16_value(got[r * cols + c]) != 0.f;
       }
+    }
+  }
+  // the gathered weight gradient: dy (M, N) against x's gathered rows, both configs
+  std::vector<E> dyh(M * N);
+  for (size_t i = 0; i < dyh.size(); ++i) dyh[i] = E(float(int(i % 7) - 3));
+  auto* ddy = static_cast<E*>(up(dyh.data(), dyh.size() * sizeof(E)));
+  auto* dgw = static_cast<E*>(up(nullptr, G * K * N * sizeof(E)));
+  for (int config = 0; config < kConfigs && ddy && dgw && dx && di && dg; ++config) {
+    cudaMemsetAsync(dgw, 0xFF, G * K * N * sizeof(E), s);  // NaN: every element must be written
+    DrhsParams<E> p{dx, di, ddy, dg, dgw, X, M, G, K, N};
+    if (run_drhs(s, p, config).failure()) return -1;
+    std::vector<E> got(G * K * N);
+    cudaMemcpyAsync(got.data(), dgw, got.size() * sizeof(E), cudaMemcpyDeviceToHost, s);
+    if (cudaStreamSynchronize(s) != cudaSuccess) return -1;
+    off = 0;
+    for (int g = 0; g < G; ++g) {
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t n = 0; n < N; ++n) {
+          float acc = 0.f;
+          for (int64_t r = off; r < off + clamped[g]; ++r) {
+            const int64_t xr = index[r];
+            if (xr >= 0 && xr < X) acc += bf16_value(x[xr * K + k]) * bf16_value(dyh[r * N + n]);
+          }
+          wrong += bf16_value(got[(g * K + k) * N + n]) != bf16_value(E(acc));
+        }
+      }
+      off += clamped[g];
     }
   }
   for (void* p : held) cudaFree(p);

@@ -51,15 +51,17 @@ struct Single {
 };
 constexpr int kConfigs = 2;
 
-template <class E, class Config>
+// LayoutA: RowMajor (A K-major: the forward's rows) or ColumnMajor (A M-major: the weight
+// gradient's x^T, whose K is the pairs)
+template <class E, class Config, class LayoutA = cutlass::layout::RowMajor>
 struct Traits {
   using TileShape = typename Config::TileShape;
   static constexpr int BM = size<0>(TileShape{});
   static constexpr int BN = size<1>(TileShape{});
   static constexpr int BK = size<2>(TileShape{});
-  // A (M x K) K-major, B (K x N) N-major, as the forward pass lays them out (x rows, w[g])
+  // A (M x K) K-major (or M-major), B (K x N) N-major, as the passes lay them out
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, cutlass::layout::RowMajor, 8, E,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LayoutA, 8, E,
       cutlass::layout::RowMajor, 8, float, TileShape, Shape<_1, _1, _1>,
       cutlass::gemm::collective::StageCountAuto, typename Config::Schedule>::CollectiveOp;
   using TiledMma = typename Mainloop::TiledMma;
@@ -91,6 +93,19 @@ struct Params {
   const float* scale;     // (M,) per-row scale (kScale), else null
   E* out;                 // (M, N) or (M, N / 2) for kSwiGLU
   int64_t X, M, G, K, N;  // N: the accumulator's columns (2I for kSwiGLU)
+};
+
+// The weight gradient with A's rows gathered: out[g] (K x N) = sum over the rows r of group g
+// of x[index[r]]^T dy[r] (in GEMM terms M = K, N = N, and the group's pairs are the ragged
+// contraction).
+template <class E>
+struct DrhsParams {
+  const E* x;            // (X, K): the rows the pairs gather from
+  const int32_t* index;  // (M,): pair r reads x's row index[r]; null: row r itself (X == M)
+  const E* dy;           // (M, N)
+  const int32_t* sizes;  // (G,) group sizes, as given (clamped as by fill_groups)
+  E* out;                // (G, K, N)
+  int64_t X, M, G, K, N;
 };
 
 // 16 bytes global -> shared (a shared-window address), zero-filled when `bytes` is 0 (the
@@ -279,6 +294,121 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
         pair[1] = Ep(v1);
         *reinterpret_cast<cutlass::Array<Ep, 2>*>(p.out + (off + row0 + r) * p.N + c) = pair;
       }
+    }
+  }
+#endif
+}
+
+// The gathered weight gradient (DrhsParams): CTA (blockIdx.x, blockIdx.y) computes output tile
+// blockIdx.x (row-major over the K / BM x N / BN tiles) of group blockIdx.y. Its producer reads
+// both operands as rows along the contraction: A's tile is BM consecutive elements of each
+// gathered x row (M-major, a 64 x 8 swizzle atom), B's is BN of each dy row, 16-byte chunks.
+template <class T, class Ep>
+__global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Pipeline = typename T::Pipeline;
+  using State = typename Pipeline::PipelineState;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK;
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+
+  const int64_t group = blockIdx.y;
+  int64_t off = 0, rows = 0;
+  for (int64_t i = 0; i <= group; ++i) {
+    int64_t s = p.sizes[i];
+    s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
+    if (i == group) rows = s; else off += s;
+  }
+  const int64_t tiles_n = (p.N + BN - 1) / BN;
+  const int64_t m0 = int64_t(blockIdx.x / tiles_n) * BM, col0 = int64_t(blockIdx.x % tiles_n) * BN;
+  Ep* out = p.out + group * p.K * p.N;
+  const int k_tiles = int((rows + BK - 1) / BK);
+  if (k_tiles == 0) {  // an empty group: its gradient is zero
+    for (int i = threadIdx.x; i < BM * BN; i += T::kThreads) {
+      const int64_t r = m0 + i / BN, c = col0 + i % BN;
+      if (r < p.K && c < p.N) out[r * p.N + c] = Ep(0.f);
+    }
+    return;
+  }
+
+  const int wg = cutlass::canonical_warp_group_idx();
+  typename Pipeline::Params pp;
+  pp.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = T::kProducers;
+  pp.consumer_arv_count = T::kConsumers;
+  Pipeline pipeline(shared.pipeline, pp);
+  __syncthreads();
+
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    const int t = threadIdx.x;
+    Tensor sA = make_tensor(make_smem_ptr(shared.tensors.smem_A.data()), typename T::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared.tensors.smem_B.data()), typename T::SmemLayoutB{});
+    // Thread t copies chunk t % 16 (of 128 columns) of contraction rows t / 16 + 8 ka of both
+    // operands (B: columns + 128 nh too); whole swizzle atoms per step, as in the forward's B.
+    using AtomA = typename T::Mainloop::SmemLayoutAtomA;
+    using AtomB = typename T::Mainloop::SmemLayoutAtomB;
+    static_assert(BM == 128 && 128 % size<0>(AtomA{}) == 0 && 8 % size<1>(AtomA{}) == 0,
+                  "A: 128 M-major columns and 8 K rows are whole swizzle atoms");
+    static_assert(BN % 128 == 0 && 128 % size<0>(AtomB{}) == 0 && 8 % size<1>(AtomB{}) == 0,
+                  "B: 128 columns and 8 K rows are whole swizzle atoms");
+    constexpr int kNh = BN / 128, kKa = BK / 8;
+    const int c8 = (t % 16) * 8, kb = t / 16;
+    auto at = [](auto& tensor, int i, int j) { return cast_smem_ptr_to_uint(&tensor(i, j, 0)); };
+    const uint32_t a_base = at(sA, 0, 0), b_base = at(sB, 0, 0);
+    const uint32_t a_stage = cast_smem_ptr_to_uint(&sA(0, 0, 1)) - a_base;
+    const uint32_t b_stage = cast_smem_ptr_to_uint(&sB(0, 0, 1)) - b_base;
+    const uint32_t a_first = at(sA, c8, kb) - a_base, a_kstep = at(sA, 0, 8) - a_base;
+    const uint32_t b_first = at(sB, c8, kb) - b_base, b_nstep = at(sB, 128, 0) - b_base,
+                   b_kstep = at(sB, 0, 8) - b_base;
+    const bool a_col_ok = m0 + c8 < p.K;
+    const Ep* dy = p.dy + col0 + c8;
+    State write = cutlass::make_producer_start_state<Pipeline>();
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.producer_acquire(write);
+      const uint32_t sa = a_base + write.index() * a_stage + a_first;
+      const uint32_t sb = b_base + write.index() * b_stage + b_first;
+      CUTLASS_PRAGMA_UNROLL
+      for (int ka = 0; ka < kKa; ++ka) {
+        const int64_t k = int64_t(kt) * BK + kb + 8 * ka;  // the pair within the group
+        int64_t xr = -1;
+        if (k < rows) {
+          xr = p.index ? int64_t(p.index[off + k]) : off + k;
+          xr = xr >= 0 && xr < p.X ? xr : -1;  // a malformed index reads zeros
+        }
+        const bool ok = a_col_ok && xr >= 0;
+        cp_async_16(sa + ka * a_kstep, ok ? p.x + xr * p.K + m0 + c8 : p.x, ok ? 16 : 0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int nh = 0; nh < kNh; ++nh) {
+          const bool b_ok = k < rows && col0 + c8 + 128 * nh < p.N;
+          cp_async_16(sb + nh * b_nstep + ka * b_kstep,
+                      b_ok ? dy + (off + k) * p.N + 128 * nh : p.dy, b_ok ? 16 : 0);
+        }
+      }
+      pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive);
+      ++write;
+    }
+    pipeline.producer_tail(write);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    const int ct = threadIdx.x - T::kProducers;
+    typename T::TiledMma mma;
+    Tensor acc = partition_fragment_C(mma, take<0, 2>(typename T::TileShape{}));
+    typename T::Mainloop mainloop;
+    typename T::Mainloop::Params none{};
+    State read;
+    mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
+    mainloop.mma_tail(pipeline, read, k_tiles);
+    Tensor coord = mma.get_slice(ct).partition_C(
+        make_identity_tensor(take<0, 2>(typename T::TileShape{})));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {  // values 2i, 2i + 1: columns c, c + 1 of one row
+      const int64_t r = m0 + get<0>(coord(i)), c = col0 + get<1>(coord(i));
+      if (r >= p.K || c >= p.N) continue;
+      cutlass::Array<Ep, 2> pair;
+      pair[0] = Ep(acc(i));
+      pair[1] = Ep(acc(i + 1));
+      *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + r * p.N + c) = pair;
     }
   }
 #endif
