@@ -10,9 +10,10 @@ expert) pair reads (``materialize=False``), so ``expert_x`` is never written;
   weights, float32) in its epilogue, so combine only sums each token's rows, in its fixed order,
   with unit weights.
 
-The backward (a custom VJP) recomputes ``u`` and the unweighted ``h @ w_out`` with the same
-kernels rather than keeping them (two GEMMs' time against ``C x (2I + H)`` elements of memory),
-then runs the grouped ``dlhs``/``drhs`` passes (no transposes; ``w_in``'s gradient reads the
+The backward (a custom VJP) recomputes ``u`` with the same kernel rather than keeping it (one
+GEMM's time against ``C x 2I`` elements of memory), takes the router weights' gradient as
+``<dy . w_out^T, h>`` from the ``dlhs`` it runs anyway (the pairs' unweighted outputs are neither
+kept nor recomputed), then runs the grouped ``dlhs``/``drhs`` passes (no transposes; ``w_in``'s gradient reads the
 pairs' rows by the same gather, :func:`collectives.grouped_gemm.gathered_drhs`), the SwiGLU's
 derivative, and the gather's transpose as a sum over each received row's pairs in ``k`` order (deterministic, no
 atomics). ``kernel="reference"`` runs the same path with the plain-JAX reference of the fused
@@ -81,13 +82,14 @@ def _fused_bwd(kernel, res, dy_w):
     fwd, (dlhs, drhs) = functools.partial(_forward(kernel), zero_tail=False), _passes(kernel)
     dt, C, I = rows.dtype, sources.shape[0], w_out.shape[1]
     grouped = jnp.arange(C) < jnp.sum(group_sizes)
-    # the router weights': each pair's unweighted output row, recomputed
-    y = fwd(h, w_out, group_sizes)
-    d_pair_w = jnp.where(grouped, jnp.sum(dy_w.astype(jnp.float32) * y.astype(jnp.float32), 1),
-                         0.0)
-    dy = (dy_w.astype(jnp.float32) * pair_w[:, None]).astype(dt)
-    dh = dlhs(dy, w_out, group_sizes, dt)
-    dw_out = drhs(h, dy, group_sizes, dt)
+    # dy_w = pair_w * dy: one dlhs gives the unweighted dh_w = dy_w . w_out^T, from which the
+    # router weights' gradient is <dh_w, h> (= <dy_w, h . w_out>: the pairs' unweighted outputs
+    # are neither kept nor recomputed) and dh = pair_w * dh_w
+    dh_w = dlhs(dy_w.astype(dt), w_out, group_sizes, dt).astype(jnp.float32)
+    d_pair_w = jnp.where(grouped, jnp.sum(dh_w * h.astype(jnp.float32), 1), 0.0)
+    dh = (dh_w * pair_w[:, None]).astype(dt)
+    dw_out = drhs((h.astype(jnp.float32) * pair_w[:, None]).astype(dt), dy_w.astype(dt),
+                  group_sizes, dt)
     # the SwiGLU's derivative on u, recomputed (gate first, then up)
     u = fwd(rows, w_in, group_sizes, index=sources).astype(jnp.float32)
     gate, up, dh32 = u[:, :I], u[:, I:], dh.astype(jnp.float32)
