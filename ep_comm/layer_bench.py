@@ -247,6 +247,9 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
         label = f"moe_layer grouped_matmul={impl}"
+        if impl == "cutlass" and cfg.is_dropless and cfg.num_chunks == 1 \
+                and cfg.wire_format is None:
+            label += " (fused)"  # moe_layer's fused path (ep_comm.fused)
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
         if not fits:
