@@ -137,6 +137,13 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     return ffi::Error::InvalidArgument("ep_comm grouped GEMM: buffers must be 16-byte aligned");
   }
   if (out->element_count() == 0) return ffi::Error::Success();
+  if ((pass == kForward && k_dim == 0) || (pass == kDlhs && n_dim == 0)) {
+    // an empty contraction: zeros (CUTLASS's mainloop needs one K tile at least)
+    return cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) == cudaSuccess
+               ? ffi::Error::Success()
+               : ffi::Error::Internal("ep_comm grouped GEMM: memset: " +
+                                      cuda_str(cudaGetLastError()));
+  }
   if (!aligned16(workspace->untyped_data())) {
     return ffi::Error::InvalidArgument("ep_comm grouped GEMM: the workspace must be 16-byte aligned");
   }

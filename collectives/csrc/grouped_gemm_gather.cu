@@ -165,6 +165,11 @@ ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> in
                std::to_string(K) + ", N=" + std::to_string(N));
   }
   if (out->element_count() == 0) return ffi::Error::Success();
+  if (K == 0) {  // an empty contraction: zeros (the mainloop needs one K tile at least)
+    return cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) == cudaSuccess
+               ? ffi::Error::Success()
+               : ffi::Error::Internal(cuda_error("memset"));
+  }
   if (!detail::hopper()) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "ep_comm fused grouped GEMM: its kernels are sm_90a (Hopper) only, and this "
