@@ -139,6 +139,8 @@ def register_targets(name: str) -> None:
                                         platform="CUDA")
             jax.ffi.register_ffi_target("ep_comm_grouped_gemm_fused", mod.fused_handler(),
                                         platform="CUDA")
+            jax.ffi.register_ffi_target("ep_comm_grouped_gemm_dswiglu", mod.dswiglu_handler(),
+                                        platform="CUDA")
             jax.ffi.register_ffi_target("ep_comm_grouped_gemm_drhs_gather",
                                         mod.drhs_gather_handler(), platform="CUDA")
         else:

@@ -238,3 +238,54 @@ def gathered_drhs_reference(x, dy, group_sizes, *, index=None):
             dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
             rhs_group_dimensions=[]))
     return out.astype(x.dtype)
+
+
+def dswiglu_dlhs(dy, w_out, group_sizes, u, h, scale, *, config: int = 0):
+    """The down projection's ``dlhs`` with SwiGLU's derivative in its epilogue
+    (``collectives/csrc/grouped_gemm_gather.cu``), for the rows ``r`` of group ``g``:
+    ``dh_w = dy[r] @ w_out[g].T`` (``w_out`` ``(G, I, H)`` read K-major in place), ``dh = dh_w *
+    scale[r]``, and with ``gate, up = u[r, :I], u[r, I:]``, ``s = sigmoid(gate)``:
+
+    - ``du`` ``(M, 2I)``: ``[dh * up * s * (1 + gate * (1 - s)), dh * gate * s]``;
+    - ``part`` ``(M, I / BN)`` float32: each column tile's ``sum dh_w * h[r]``, whose row sums
+      are the router weights' gradient (``h`` ``(M, I)``: the forward's ``silu(gate) * up``).
+
+    Rows past the groups are left unwritten. Raises as :func:`fused_forward`."""
+    if config not in CONFIGS:
+        raise ValueError(f"dswiglu_dlhs: config must be one of {CONFIGS}, got {config!r}")
+    M, I = h.shape
+    if (dy.ndim != 2 or dy.shape[0] != M or w_out.shape != (group_sizes.shape[0], I, dy.shape[1])
+            or u.shape != (M, 2 * I) or scale.shape != (M,)):
+        raise ValueError(f"dswiglu_dlhs: dy (M, H), w_out (G, I, H), u (M, 2I), h (M, I) and "
+                         f"scale (M,) must fit, got dy {dy.shape}, w_out {w_out.shape}, u "
+                         f"{u.shape}, h {h.shape}, scale {scale.shape}")
+    why = unsupported("dlhs", dy, w_out, dy.dtype)
+    if why is None and (u.dtype != dy.dtype or h.dtype != dy.dtype):
+        why = f"u and h must have dy's dtype {dy.dtype}, got {u.dtype} and {h.dtype}"
+    if why is not None:
+        raise ValueError(f"dswiglu_dlhs: {why}")
+    why = available()
+    if why is not None:
+        raise RuntimeError(f"dswiglu_dlhs: the CUTLASS grouped GEMM does not run here: {why}")
+    bootstrap.register_targets("gemm")
+    tiles = -(-I // (128 if config == 1 else 256))
+    call = jax.ffi.ffi_call("ep_comm_grouped_gemm_dswiglu", (
+        jax.ShapeDtypeStruct((M, 2 * I), dy.dtype), jax.ShapeDtypeStruct((M, tiles), jnp.float32)))
+    return call(dy, w_out, group_sizes.astype(jnp.int32), u, h, scale.astype(jnp.float32),
+                config=np.int64(config))
+
+
+def dswiglu_dlhs_reference(dy, w_out, group_sizes, u, h, scale):
+    """:func:`dswiglu_dlhs` in plain JAX: ``(du, d_scale)`` with the router weights' gradient
+    ``d_scale`` ``(M,)`` already summed over the columns (zero past the groups)."""
+    M, I = h.shape
+    sizes = _clamped_sizes(group_sizes, M)
+    dh_w = jax.lax.ragged_dot(dy.astype(jnp.float32),
+                              jnp.swapaxes(w_out, 1, 2).astype(jnp.float32), sizes)
+    grouped = jnp.arange(M) < jnp.sum(sizes)
+    d_scale = jnp.where(grouped, jnp.sum(dh_w * h.astype(jnp.float32), 1), 0.0)
+    dh = dh_w * scale[:, None]
+    gate, up = u[:, :I].astype(jnp.float32), u[:, I:].astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    du = jnp.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], axis=1)
+    return jnp.where(grouped[:, None], du, 0).astype(dy.dtype), d_scale

@@ -80,22 +80,21 @@ def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel
 def _fused_bwd(kernel, res, dy_w):
     rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h = res
     fwd, (dlhs, drhs) = functools.partial(_forward(kernel), zero_tail=False), _passes(kernel)
-    dt, C, I = rows.dtype, sources.shape[0], w_out.shape[1]
+    dt, C = rows.dtype, sources.shape[0]
     grouped = jnp.arange(C) < jnp.sum(group_sizes)
-    # dy_w = pair_w * dy: one dlhs gives the unweighted dh_w = dy_w . w_out^T, from which the
-    # router weights' gradient is <dh_w, h> (= <dy_w, h . w_out>: the pairs' unweighted outputs
-    # are neither kept nor recomputed) and dh = pair_w * dh_w
-    dh_w = dlhs(dy_w.astype(dt), w_out, group_sizes, dt).astype(jnp.float32)
-    d_pair_w = jnp.where(grouped, jnp.sum(dh_w * h.astype(jnp.float32), 1), 0.0)
-    dh = (dh_w * pair_w[:, None]).astype(dt)
-    dw_out = drhs((h.astype(jnp.float32) * pair_w[:, None]).astype(dt), dy_w.astype(dt),
-                  group_sizes, dt)
-    # the SwiGLU's derivative on u, recomputed (gate first, then up)
-    u = fwd(rows, w_in, group_sizes, index=sources).astype(jnp.float32)
-    gate, up, dh32 = u[:, :I], u[:, I:], dh.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gate)
-    d_gate = dh32 * up * sig * (1 + gate * (1 - sig))
-    du = jnp.concatenate([d_gate, dh32 * gate * sig], axis=1).astype(dt)
+    # dy_w = pair_w * dy (the cotangent of the weighted rows): dh_w = dy_w . w_out^T gives the
+    # router weights' gradient as <dh_w, h> (= <dy_w, h . w_out>: the pairs' unweighted outputs
+    # are neither kept nor recomputed) and dh = pair_w * dh_w, whose SwiGLU derivative on u
+    # (recomputed: gate first, then up) is du; the kernel does all of it in the dlhs epilogue
+    u = fwd(rows, w_in, group_sizes, index=sources)
+    dy_w = dy_w.astype(dt)
+    if kernel == "cutlass":
+        du, part = grouped_gemm.dswiglu_dlhs(dy_w, w_out, group_sizes, u, h, pair_w)
+        d_pair_w = jnp.where(grouped, jnp.sum(part, 1), 0.0)
+    else:
+        du, d_pair_w = grouped_gemm.dswiglu_dlhs_reference(dy_w, w_out, group_sizes, u, h,
+                                                           pair_w)
+    dw_out = drhs((h.astype(jnp.float32) * pair_w[:, None]).astype(dt), dy_w, group_sizes, dt)
     d_expert_x = dlhs(du, w_in, group_sizes, dt)
     # the weight gradient reads the pairs' rows by the same gather (expert_x is not written)
     dw_in = _gathered_drhs(kernel)(rows, du, group_sizes, index=sources)

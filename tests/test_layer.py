@@ -321,6 +321,24 @@ def test_fused_forward_reference_is_the_unfused_passes(rng):
     want_dw = np.stack([rows[:7].T @ dy64[:7], np.zeros((x.shape[1], 24)),
                         rows[7:150].T @ dy64[7:150], np.zeros((x.shape[1], 24))])
     np.testing.assert_allclose(np.asarray(got, np.float64), want_dw, rtol=1e-5, atol=1e-4)
+    # the dSwiGLU dlhs's reference: dh_w = dy . w_out^T, du from u, the weights' gradient
+    M, I2 = 150, 16
+    dyd = jnp.asarray(rng.standard_normal((M, 24)), jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((4, I2, 24)), jnp.float32)
+    u = jnp.asarray(rng.standard_normal((M, 2 * I2)), jnp.float32)
+    h = jnp.asarray(rng.standard_normal((M, I2)), jnp.float32)
+    du, d_scale = grouped_gemm.dswiglu_dlhs_reference(dyd, w_out, gs, u, h, scale)
+    dh_w = np.zeros((M, I2))
+    w64 = np.asarray(w_out, np.float64)
+    dh_w[:7] = np.asarray(dyd, np.float64)[:7] @ w64[0].T
+    dh_w[7:] = np.asarray(dyd, np.float64)[7:] @ w64[2].T
+    gate, upv = np.asarray(u, np.float64)[:, :I2], np.asarray(u, np.float64)[:, I2:]
+    sig = 1 / (1 + np.exp(-gate))
+    dh = dh_w * np.asarray(scale, np.float64)[:, None]
+    want_du = np.concatenate([dh * upv * sig * (1 + gate * (1 - sig)), dh * gate * sig], 1)
+    np.testing.assert_allclose(np.asarray(du, np.float64), want_du, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(d_scale, np.float64),
+                               np.sum(dh_w * np.asarray(h, np.float64), 1), rtol=1e-4, atol=1e-4)
     # without an index, row r reads x's row r; rows past the groups are zero
     got = grouped_gemm.fused_forward_reference(x, w, jnp.array([3, 0, 2, 0]))
     np.testing.assert_allclose(np.asarray(got)[5:], 0)
@@ -368,6 +386,12 @@ def test_fused_forward_rules():
             "gathered_drhs: the kernel needs K and N to be multiples of 8, got K=16, N=12")):
         grouped_gemm.gathered_drhs(xb, jnp.zeros((6, 12), jnp.bfloat16), gs)
     with pytest.raises(ValueError, match=re.escape(
+            "dswiglu_dlhs: dy (M, H), w_out (G, I, H), u (M, 2I), h (M, I) and scale (M,) must "
+            "fit, got dy (6, 16), w_out (3, 8, 16), u (6, 8), h (6, 8), scale (6,)")):
+        grouped_gemm.dswiglu_dlhs(xb, jnp.zeros((3, 8, 16), jnp.bfloat16), gs,
+                                  jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros((6, 8), jnp.bfloat16),
+                                  jnp.zeros(6, jnp.float32))
+    with pytest.raises(ValueError, match=re.escape(
             "gathered_drhs: config must be one of (0, 1), got 3")):
         grouped_gemm.gathered_drhs(xb, jnp.zeros((6, 24), jnp.bfloat16), gs, config=3)
 
@@ -395,6 +419,25 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
                 np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7,
                                            atol=2 ** -7 * (1 + np.abs(want).max()),
                                            err_msg=f"{epilogue} config {config} sizes {sizes}")
+        # the dSwiGLU dlhs (w: (G, I=192, K=200) as w_out, read K-major)
+        I2 = w.shape[2] // 2
+        w_out = jnp.asarray(rng.standard_normal((len(sizes), I2, x.shape[1])) / 16,
+                            jnp.dtype(dtype))
+        dyk = jnp.asarray(rng.standard_normal((M, x.shape[1])), jnp.dtype(dtype))
+        u = jnp.asarray(rng.standard_normal((M, 2 * I2)), jnp.dtype(dtype))
+        h = jnp.asarray(rng.standard_normal((M, I2)), jnp.dtype(dtype))
+        want_du, want_ds = (np.asarray(a, np.float64) for a in
+                            grouped_gemm.dswiglu_dlhs_reference(dyk, w_out, gs, u, h, scale))
+        rows_in = int(np.minimum(np.cumsum(np.clip(sizes, 0, None)), M)[-1])
+        for config in grouped_gemm.CONFIGS:
+            du, part = grouped_gemm.dswiglu_dlhs(dyk, w_out, gs, u, h, scale, config=config)
+            np.testing.assert_allclose(np.asarray(du, np.float64)[:rows_in], want_du[:rows_in],
+                                       rtol=2 ** -6, atol=2 ** -6 * (1 + np.abs(want_du).max()),
+                                       err_msg=f"dswiglu du config {config} sizes {sizes}")
+            np.testing.assert_allclose(np.asarray(part, np.float64)[:rows_in].sum(1),
+                                       want_ds[:rows_in], rtol=2 ** -6,
+                                       atol=2 ** -6 * (1 + np.abs(want_ds).max()),
+                                       err_msg=f"dswiglu part config {config} sizes {sizes}")
         dy = jnp.asarray(rng.standard_normal((M, 136)), jnp.dtype(dtype))
         want = np.asarray(grouped_gemm.gathered_drhs_reference(x, dy, gs, index=index),
                           np.float64)

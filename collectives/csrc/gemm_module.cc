@@ -10,6 +10,7 @@ NB_MODULE(_ep_gemm, m) {
   m.def("grouped_gemm_handler",
         []() { return nb::capsule(ep_comm::gemm::grouped_gemm_handler()); });
   m.def("fused_handler", []() { return nb::capsule(ep_comm::gemm::fused_handler()); });
+  m.def("dswiglu_handler", []() { return nb::capsule(ep_comm::gemm::dswiglu_handler()); });
   m.def("drhs_gather_handler",
         []() { return nb::capsule(ep_comm::gemm::drhs_gather_handler()); });
   m.def("fused_selftest", &ep_comm::gemm::fused_selftest,

@@ -28,7 +28,11 @@ void* fused_handler();
 // by index (grouped_gemm_gather.cu).
 void* drhs_gather_handler();
 
-// The fused forward pass and the gathered weight gradient on small problems with malformed sizes and indices, each epilogue and
+// XLA FFI handler ep_comm_grouped_gemm_dswiglu: the down projection's dlhs with SwiGLU's
+// derivative and the router weights' partial gradients in its epilogue.
+void* dswiglu_handler();
+
+// The fused forward pass, the dSwiGLU dlhs and the gathered weight gradient on small problems with malformed sizes and indices, each epilogue and
 // tile config, outside XLA: wrong values, -1 when CUDA fails, -2 without a Hopper GPU.
 long long fused_selftest();
 

@@ -14,6 +14,7 @@
 // clamped as by the other passes; an index outside [0, X) reads a zero row.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,10 @@ std::string cuda_error(const char* what) {
 
 template <class E, class Config, int EPI>
 ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
-  using T = Traits<E, Config>;
+  // (kDSwiGLU reads B = w_out[g]^T K-major in place)
+  using T = Traits<E, Config, cutlass::layout::RowMajor,
+                   std::conditional_t<EPI == kDSwiGLU, cutlass::layout::ColumnMajor,
+                                      cutlass::layout::RowMajor>>;
   static const cudaError_t attr = cudaFuncSetAttribute(
       kernel<T, E, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (attr != cudaSuccess) {
@@ -66,6 +70,7 @@ ffi::Error launch_epilogue(cudaStream_t stream, const Params<E>& p, int epilogue
         return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: swiglu needs config 0");
       }
     case kScale: return launch<E, Config, kScale>(stream, p);
+    case kDSwiGLU: return launch<E, Config, kDSwiGLU>(stream, p);
     default: return launch<E, Config, kStore>(stream, p);
   }
 }
@@ -126,7 +131,7 @@ ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> in
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: " + what);
   };
-  if (epilogue < 0 || epilogue >= kEpilogues) {
+  if (epilogue < 0 || epilogue > kScale) {  // (kDSwiGLU has its own handler)
     return bad("epilogue must be in [0, 3), got " + std::to_string(epilogue));
   }
   if (config < 0 || config >= kConfigs) {
@@ -240,7 +245,83 @@ ffi::Error DrhsGather(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   return run_drhs(stream, make(cutlass::half_t{}), int(config));
 }
 
+ffi::Error DSwiGLU(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w,
+                   ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer u, ffi::AnyBuffer h,
+                   ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> du,
+                   ffi::Result<ffi::Buffer<ffi::F32>> part, int64_t config) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("ep_comm dSwiGLU dlhs: " + what);
+  };
+  if (config < 0 || config >= kConfigs) {
+    return bad("config must be in [0, 2), got " + std::to_string(config));
+  }
+  const auto dt = dy.element_type();
+  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || w.element_type() != dt ||
+      u.element_type() != dt || h.element_type() != dt || du->element_type() != dt) {
+    return bad("dy, w, u, h and du must all be bfloat16 or all float16");
+  }
+  const auto yd = dy.dimensions(), wd = w.dimensions(), ud = u.dimensions(), hd = h.dimensions(),
+             od = du->dimensions(), pd = part->dimensions();
+  const int64_t G = group_sizes.element_count();
+  const bool shapes = yd.size() == 2 && wd.size() == 3 && wd[0] == G && wd[2] == yd[1] &&
+                      ud.size() == 2 && hd.size() == 2 && od.size() == 2 && pd.size() == 2;
+  const int64_t M = shapes ? yd[0] : 0, K = shapes ? yd[1] : 0, N = shapes ? wd[1] : 0;
+  const int64_t bn = config == 1 ? 128 : 256;
+  if (!shapes || ud[0] != M || ud[1] != 2 * N || hd[0] != M || hd[1] != N || od[0] != M ||
+      od[1] != 2 * N || pd[0] != M || pd[1] != (N + bn - 1) / bn || scale.element_count() != M) {
+    return bad("dy " + dims(dy) + ", w " + dims(w) + ", u " + dims(u) + ", h " + dims(h) +
+               " and the results do not fit (dy (M, K), w (G, N, K), u (M, 2N), h (M, N), scale "
+               "(M,), du (M, 2N), part (M, N / " + std::to_string(bn) + "))");
+  }
+  if (K % 8 || N % 8) {
+    return bad("K and N must be multiples of 8, got K=" + std::to_string(K) + ", N=" +
+               std::to_string(N));
+  }
+  if (du->element_count() == 0) return ffi::Error::Success();
+  if (!detail::hopper()) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "ep_comm dSwiGLU dlhs: its kernels are sm_90a (Hopper) only, and this GPU "
+                      "is not a Hopper");
+  }
+  if (K == 0) {
+    return cudaMemsetAsync(du->untyped_data(), 0, du->size_bytes(), stream) == cudaSuccess &&
+                   cudaMemsetAsync(part->untyped_data(), 0, part->size_bytes(), stream) ==
+                       cudaSuccess
+               ? ffi::Error::Success()
+               : ffi::Error::Internal(cuda_error("memset"));
+  }
+  auto make = [&](auto tag) {
+    using E = decltype(tag);
+    Params<E> p{static_cast<const E*>(dy.untyped_data()), nullptr,
+                static_cast<const E*>(w.untyped_data()), group_sizes.typed_data(),
+                scale.typed_data(), static_cast<E*>(du->untyped_data()), M, M, G, K, N};
+    p.u = static_cast<const E*>(u.untyped_data());
+    p.h = static_cast<const E*>(h.untyped_data());
+    p.part = part->typed_data();
+    return p;
+  };
+  if (dt == ffi::DataType::BF16) {
+    return run(stream, make(cutlass::bfloat16_t{}), kDSwiGLU, int(config), false);
+  }
+  return run(stream, make(cutlass::half_t{}), kDSwiGLU, int(config), false);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDSwiGLUHandler, DSwiGLU,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // dy (M, K): weighted rows' cotangent
+                                  .Arg<ffi::AnyBuffer>()         // w (G, N, K): w_out
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
+                                  .Arg<ffi::AnyBuffer>()         // u (M, 2N)
+                                  .Arg<ffi::AnyBuffer>()         // h (M, N)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale (M,): router weights
+                                  .Ret<ffi::AnyBuffer>()         // du (M, 2N)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // part (M, column tiles)
+                                  .Attr<int64_t>("config"));
+
+void* dswiglu_handler() { return reinterpret_cast<void*>(kDSwiGLUHandler); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDrhsGather, DrhsGather,
                               ffi::Ffi::Bind()
@@ -319,7 +400,7 @@ long long fused_selftest() {
   const int64_t total = off;
   for (int config = 0; config < kConfigs && dx && dw && di && dg && dsc && dout; ++config) {
     for (int epi = 0; epi < kEpilogues; ++epi) {
-      if (epi == kSwiGLU && config != 0) continue;
+      if ((epi == kSwiGLU && config != 0) || epi == kDSwiGLU) continue;  // (below)
       const int64_t cols = epi == kSwiGLU ? N / 2 : N;
       cudaMemsetAsync(dout, 0xFF, M * N * sizeof(E), s);  // NaN: every row must be written
       Params<E> p{dx, di, dw, dg, epi == kScale ? dsc : nullptr, dout, X, M, G, K, N};
@@ -353,6 +434,58 @@ long long fused_selftest() {
       }
       for (int64_t r = total; r < M; ++r) {
         for (int64_t c = 0; c < cols; ++c) wrong += bf16_value(got[r * cols + c]) != 0.f;
+      }
+    }
+  }
+  // the dSwiGLU dlhs: dy (M, K=72) against w_out (G, N=48, K) read K-major, u (M, 96), h (M, 48)
+  {
+    std::vector<E> dyk(M * K), wk(G * N * K), uk(M * 2 * N), hk(M * N);
+    for (size_t i = 0; i < dyk.size(); ++i) dyk[i] = E(float(int(i % 5) - 2));
+    for (size_t i = 0; i < wk.size(); ++i) wk[i] = E(float(int(i % 3) - 1));
+    for (size_t i = 0; i < uk.size(); ++i) uk[i] = E(0.25f * float(int(i % 9) - 4));
+    for (size_t i = 0; i < hk.size(); ++i) hk[i] = E(0.5f * float(int(i % 4) - 2));
+    auto* d_dy = static_cast<E*>(up(dyk.data(), dyk.size() * sizeof(E)));
+    auto* d_w = static_cast<E*>(up(wk.data(), wk.size() * sizeof(E)));
+    auto* d_u = static_cast<E*>(up(uk.data(), uk.size() * sizeof(E)));
+    auto* d_h = static_cast<E*>(up(hk.data(), hk.size() * sizeof(E)));
+    auto* d_du = static_cast<E*>(up(nullptr, M * 2 * N * sizeof(E)));
+    auto* d_part = static_cast<float*>(up(nullptr, M * sizeof(float)));  // one column tile
+    for (int config = 0; config < kConfigs && d_dy && d_w && d_u && d_h && d_du && d_part;
+         ++config) {
+      cudaMemsetAsync(d_du, 0, M * 2 * N * sizeof(E), s);
+      cudaMemsetAsync(d_part, 0, M * sizeof(float), s);
+      Params<E> p{d_dy, nullptr, d_w, dg, dsc, d_du, M, M, G, K, N};
+      p.u = d_u;
+      p.h = d_h;
+      p.part = d_part;
+      if (run(s, p, kDSwiGLU, config, false).failure()) return -1;
+      std::vector<E> got(M * 2 * N);
+      std::vector<float> got_part(M);
+      cudaMemcpyAsync(got.data(), d_du, got.size() * sizeof(E), cudaMemcpyDeviceToHost, s);
+      cudaMemcpyAsync(got_part.data(), d_part, M * sizeof(float), cudaMemcpyDeviceToHost, s);
+      if (cudaStreamSynchronize(s) != cudaSuccess) return -1;
+      off = 0;
+      for (int g = 0; g < G; ++g) {
+        for (int64_t r = off; r < off + clamped[g]; ++r) {
+          float want_part = 0.f;
+          for (int64_t n = 0; n < N; ++n) {
+            float dhw = 0.f;
+            for (int64_t k = 0; k < K; ++k) {
+              dhw += bf16_value(dyk[r * K + k]) * bf16_value(wk[(g * N + n) * K + k]);
+            }
+            want_part += dhw * bf16_value(hk[r * N + n]);
+            const float dh = dhw * scale[r], gate = bf16_value(uk[r * 2 * N + n]),
+                        upv = bf16_value(uk[r * 2 * N + N + n]);
+            const float sig = 1.0f / (1.0f + std::exp(-gate));
+            const float want[2] = {dh * upv * sig * (1.0f + gate * (1.0f - sig)), dh * gate * sig};
+            for (int e = 0; e < 2; ++e) {
+              const float v = bf16_value(got[r * 2 * N + e * N + n]);
+              wrong += !(std::fabs(v - want[e]) <= 1e-2f * std::fabs(want[e]) + 1e-2f);
+            }
+          }
+          wrong += !(std::fabs(got_part[r] - want_part) <= 1e-3f * std::fabs(want_part) + 1e-3f);
+        }
+        off += clamped[g];
       }
     }
   }

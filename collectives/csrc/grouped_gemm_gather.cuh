@@ -33,8 +33,13 @@ using namespace cute;
 //            each tile loads BN / 2 gate columns and the same BN / 2 up columns, so that one
 //            thread holds both accumulators of every j it writes. Out is N / 2 wide.
 //   kScale:  out[r, c] = acc * scale[r] (float32: the router weight of row r's pair)
-enum Epilogue : int { kStore = 0, kSwiGLU = 1, kScale = 2 };
-constexpr int kEpilogues = 3;
+//   kDSwiGLU: the down projection's dlhs with SwiGLU's derivative (B = w_out[g]^T read K-major
+//            in place): for dh_w = acc (N = I columns), dh = dh_w * scale[r], out (M, 2I) =
+//            [dh * up * s * (1 + gate * (1 - s)), dh * silu(gate)] with s = sigmoid(gate) from
+//            u (M, 2I), and part[r, blockIdx.y] = sum over the tile's columns of dh_w * h[r]
+//            (the router weight's gradient, summed over the column tiles by the caller)
+enum Epilogue : int { kStore = 0, kSwiGLU = 1, kScale = 2, kDSwiGLU = 3 };
+constexpr int kEpilogues = 4;
 
 // Tile configs: 0 cooperative (two consumer warpgroups on a 128 x 256 tile), 1 one consumer
 // warpgroup on a 128 x 128 tile.
@@ -52,8 +57,10 @@ struct Single {
 constexpr int kConfigs = 2;
 
 // LayoutA: RowMajor (A K-major: the forward's rows) or ColumnMajor (A M-major: the weight
-// gradient's x^T, whose K is the pairs)
-template <class E, class Config, class LayoutA = cutlass::layout::RowMajor>
+// gradient's x^T, whose K is the pairs); LayoutB: RowMajor (B N-major: w[g] as the forward
+// takes it) or ColumnMajor (B K-major: w_out[g]^T in place, for kDSwiGLU)
+template <class E, class Config, class LayoutA = cutlass::layout::RowMajor,
+          class LayoutB = cutlass::layout::RowMajor>
 struct Traits {
   using TileShape = typename Config::TileShape;
   static constexpr int BM = size<0>(TileShape{});
@@ -61,8 +68,8 @@ struct Traits {
   static constexpr int BK = size<2>(TileShape{});
   // A (M x K) K-major (or M-major), B (K x N) N-major, as the passes lay them out
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LayoutA, 8, E,
-      cutlass::layout::RowMajor, 8, float, TileShape, Shape<_1, _1, _1>,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LayoutA, 8, E, LayoutB, 8, float,
+      TileShape, Shape<_1, _1, _1>,
       cutlass::gemm::collective::StageCountAuto, typename Config::Schedule>::CollectiveOp;
   using TiledMma = typename Mainloop::TiledMma;
   using SmemLayoutA = typename Mainloop::SmemLayoutA;  // (BM, BK, stages)
@@ -88,11 +95,14 @@ template <class E>
 struct Params {
   const E* x;             // (X, K): the rows the pairs gather from
   const int32_t* index;   // (M,): pair r reads x's row index[r]; null: row r itself (X == M)
-  const E* w;             // (G, K, N)
+  const E* w;             // (G, K, N); kDSwiGLU: (G, N, K), w_out as the forward takes it
   const int32_t* sizes;   // (G,) group sizes, as given (clamped here as by fill_groups)
   const float* scale;     // (M,) per-row scale (kScale), else null
-  E* out;                 // (M, N) or (M, N / 2) for kSwiGLU
+  E* out;                 // (M, N), (M, N / 2) for kSwiGLU, (M, 2N) for kDSwiGLU
   int64_t X, M, G, K, N;  // N: the accumulator's columns (2I for kSwiGLU)
+  const E* u = nullptr;   // kDSwiGLU: (M, 2N), gate then up
+  const E* h = nullptr;   // kDSwiGLU: (M, N), silu(gate) * up as the forward wrote it
+  float* part = nullptr;  // kDSwiGLU: (M, N / BN column tiles)
 };
 
 // The weight gradient with A's rows gathered: out[g] (K x N) = sum over the rows r of group g
@@ -172,7 +182,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
     using AtomB = typename T::Mainloop::SmemLayoutAtomB;
     static_assert(BK == 64 && size<1>(AtomA{}) == 64 && 16 % size<0>(AtomA{}) == 0,
                   "A: one 128-byte swizzle atom spans the K tile");
-    static_assert(BN % 128 == 0 && 128 % size<0>(AtomB{}) == 0 && 8 % size<1>(AtomB{}) == 0,
+    static_assert(EPI == kDSwiGLU || (BN % 128 == 0 && 128 % size<0>(AtomB{}) == 0 &&
+                                      8 % size<1>(AtomB{}) == 0),
                   "B: 128 columns and 8 K rows are whole swizzle atoms");
     constexpr int kA = BM / 16, kNh = BN / 128, kKa = BK / 8;
     const int kc = (t % 8) * 8, n = (t % 16) * 8, kb = t / 16;
@@ -194,6 +205,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
         if (xr >= 0 && xr < p.X) src = int32_t(xr);  // a malformed index reads zeros
       }
       a_src[j] = src;
+    }
+    // kDSwiGLU's B (w_out[g]^T, K-major in place): thread t copies chunk t % 8 of the tile's
+    // rows (output columns) t / 8 + 16 j, whole 8 x 64 swizzle atoms per step, as A
+    [[maybe_unused]] uint32_t bk_first = 0, bk_step = 0;
+    if constexpr (EPI == kDSwiGLU) {
+      static_assert(size<1>(AtomB{}) == 64 && 16 % size<0>(AtomB{}) == 0,
+                    "B K-major: one 128-byte swizzle atom spans the K tile");
+      bk_first = at(sB, t / 8, kc) - b_base;
+      bk_step = at(sB, 16, 0) - b_base;
     }
     // B's columns of 128-wide block nh: col0 + 128 nh, or with SwiGLU the gate block (the
     // first half of the tile) and the up block (the second) of output columns jb + ...
@@ -225,14 +245,25 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
         cp_async_16(sa + j * a_step, ok ? p.x + int64_t(a_src[j]) * p.K + k0 + kc : p.x,
                     ok ? 16 : 0);
       }
-      CUTLASS_PRAGMA_UNROLL
-      for (int nh = 0; nh < kNh; ++nh) {
+      if constexpr (EPI == kDSwiGLU) {
+        const uint32_t sbk = b_base + write.index() * b_stage + bk_first;
+        const Ep* wk = p.w + group * p.N * p.K + k0 + kc;
         CUTLASS_PRAGMA_UNROLL
-        for (int ka = 0; ka < kKa; ++ka) {
-          const int64_t k = k0 + kb + 8 * ka;
-          const bool ok = b_ok[nh] && k < p.K;
-          cp_async_16(sb + nh * b_nstep + ka * b_kstep, ok ? w + k * p.N + b_col[nh] : p.w,
-                      ok ? 16 : 0);
+        for (int j = 0; j < BN / 16; ++j) {
+          const int64_t col = col0 + t / 8 + 16 * j;
+          const bool ok = ka_ok && col < p.N;
+          cp_async_16(sbk + j * bk_step, ok ? wk + col * p.K : p.w, ok ? 16 : 0);
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int nh = 0; nh < kNh; ++nh) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int ka = 0; ka < kKa; ++ka) {
+            const int64_t k = k0 + kb + 8 * ka;
+            const bool ok = b_ok[nh] && k < p.K;
+            cp_async_16(sb + nh * b_nstep + ka * b_kstep, ok ? w + k * p.N + b_col[nh] : p.w,
+                        ok ? 16 : 0);
+          }
         }
       }
       pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive);
@@ -254,7 +285,55 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
     Tensor coord = mma.get_slice(ct).partition_C(
         make_identity_tensor(take<0, 2>(typename T::TileShape{})));
     static_assert(decltype(size(acc))::value % 2 == 0, "accumulators come in column pairs");
-    if constexpr (EPI == kSwiGLU) {
+    if constexpr (EPI == kDSwiGLU) {
+      // values (2, 2, BN / 8) per M block: 2i, 2i + 1 are columns c, c + 1 of one row, value
+      // bit 1 picks the row (r or r + 8), and the 4 lanes of a quad hold the same rows: each
+      // thread sums its columns of a row, the quad adds its 4 sums
+      static_assert(decltype(size<2>(acc))::value == 1, "one GMMA N block per tile");
+      constexpr int kMb = decltype(size<1>(acc))::value;
+      float part[2 * kMb];
+      const int64_t two_n = 2 * p.N;
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < kMb; ++m) {
+        part[2 * m] = part[2 * m + 1] = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int v = 0; v < size<0>(acc); v += 2) {
+          const int r = get<0>(coord(v, m, 0));
+          const int64_t c = col0 + get<1>(coord(v, m, 0));
+          if (r >= rows_left || c >= p.N) continue;
+          const int64_t row = off + row0 + r;
+          const float s = p.scale[row];
+          const Ep* ur = p.u + row * two_n;
+          cutlass::Array<Ep, 2> dg, du;
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const float dhw = acc(v + e, m, 0), dh = dhw * s;
+            part[2 * m + (v / 2) % 2] += dhw * float(p.h[row * p.N + c + e]);
+            const float gate = float(ur[c + e]), up = float(ur[p.N + c + e]);
+            const float sig = 1.0f / (1.0f + __expf(-gate));
+            dg[e] = Ep(dh * up * sig * (1.0f + gate * (1.0f - sig)));
+            du[e] = Ep(dh * gate * sig);
+          }
+          Ep* out = p.out + row * two_n;
+          *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + c) = dg;
+          *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + p.N + c) = du;
+        }
+      }
+      const int64_t tiles_n = (p.N + BN - 1) / BN;
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < kMb; ++m) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          float v = part[2 * m + half];
+          v += __shfl_xor_sync(0xffffffff, v, 1);
+          v += __shfl_xor_sync(0xffffffff, v, 2);
+          const int r = get<0>(coord(2 * half, m, 0));  // (value 2: the row + 8)
+          if (threadIdx.x % 4 == 0 && r < rows_left) {
+            p.part[(off + row0 + r) * tiles_n + blockIdx.y] = v;
+          }
+        }
+      }
+    } else if constexpr (EPI == kSwiGLU) {
       // GMMA's accumulators (values (2, 2, BN / 8), M blocks, 1 N block): a thread holds the
       // same columns of both tile halves; value v < BN / 4 (per M block) is a gate column, v
       // + BN / 4 its up column, and values 2i, 2i + 1 are adjacent columns of one row
