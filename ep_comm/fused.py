@@ -11,12 +11,13 @@ expert) pair reads (``materialize=False``), so ``expert_x`` is never written;
   with unit weights.
 
 The backward (a custom VJP) recomputes ``u`` with the same kernel rather than keeping it (one
-GEMM's time against ``C x 2I`` elements of memory), takes the router weights' gradient as
-``<dy . w_out^T, h>`` from the ``dlhs`` it runs anyway (the pairs' unweighted outputs are neither
-kept nor recomputed), then runs the grouped ``dlhs``/``drhs`` passes (no transposes; ``w_in``'s gradient reads the
-pairs' rows by the same gather, :func:`collectives.grouped_gemm.gathered_drhs`), the SwiGLU's
-derivative, and the gather's transpose as a sum over each received row's pairs in ``k`` order (deterministic, no
-atomics). ``kernel="reference"`` runs the same path with the plain-JAX reference of the fused
+GEMM's time against ``C x 2I`` elements of memory); the down projection's ``dlhs`` applies the
+router weight and SwiGLU's derivative in its epilogue and yields the router weights' gradient as
+``<dy . w_out^T, h>`` (the pairs' unweighted outputs are neither kept nor recomputed,
+:func:`collectives.grouped_gemm.dswiglu_dlhs`); then it runs the grouped ``dlhs``/``drhs``
+passes (no transposes; ``w_in``'s gradient reads the pairs' rows by the same gather,
+:func:`collectives.grouped_gemm.gathered_drhs`) and the gather's transpose as a sum over each
+received row's pairs in ``k`` order (deterministic, no atomics). ``kernel="reference"`` runs the same path with the plain-JAX reference of the fused
 kernel and ``lax.ragged_dot`` passes: how the CPU tests check it against the unfused layer.
 """
 
