@@ -12,6 +12,8 @@
 //   router weight of the pair, float32).
 // Rows past the groups are zero with zero_tail (else unwritten). Malformed group sizes are
 // clamped as by the other passes; an index outside [0, X) reads a zero row.
+#include "xla/ffi/api/ffi.h"  // (first: see grouped_gemm_impl.cuh)
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -21,7 +23,6 @@
 #include "grouped_gemm.h"
 #include "grouped_gemm_common.cuh"
 #include "grouped_gemm_gather.cuh"
-#include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 

@@ -2,6 +2,10 @@
 // grouped_gemm_{forward,dlhs,drhs}.cu (one pass's CUTLASS kernels each). See grouped_gemm.cu.
 #pragma once
 
+// (the FFI header first: a CUTLASS header leaves -Wmissing-field-initializers an error, which
+// jaxlib 0.11's FFI header trips)
+#include "xla/ffi/api/ffi.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,7 +27,6 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "grouped_gemm.h"
 #include "grouped_gemm_common.cuh"
-#include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using namespace cute;
