@@ -108,7 +108,7 @@ if step gemm; then
     build/collectives/csrc/gemm_layout_test | tail -3 | tee "$OUT/gemm_layout.txt"
   fi
   "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
-  compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
+  timeout "${GEMM_SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
     "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
     2>&1 | tail -8 | tee "$OUT/gemm_sanitizer.txt"
   timeout "${FUSED_TIMEOUT:-120}" "$PY" scripts/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
