@@ -57,6 +57,15 @@ def available() -> str | None:
     return None
 
 
+def _ready(api: str) -> None:
+    """Raise ``RuntimeError`` naming ``api`` where the kernels do not run (:func:`available`),
+    else register their FFI targets."""
+    why = available()
+    if why is not None:
+        raise RuntimeError(f"{api}: the CUTLASS grouped GEMM does not run here: {why}")
+    bootstrap.register_targets("gemm")
+
+
 def out_shape(pass_name: str, a_shape, b_shape, groups: int) -> tuple:
     if pass_name == "forward":
         return (a_shape[0], b_shape[2])
@@ -100,10 +109,7 @@ def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True,
     if group_sizes.shape[0] > MAX_GROUPS:
         raise ValueError(f"grouped_gemm: group_sizes must hold at most {MAX_GROUPS} groups, got "
                          f"{group_sizes.shape[0]}")
-    why = available()
-    if why is not None:
-        raise RuntimeError(f"grouped_gemm: the CUTLASS grouped GEMM does not run here: {why}")
-    bootstrap.register_targets("gemm")
+    _ready("grouped_gemm")
     index, groups = PASSES.index(pass_name), group_sizes.shape[0]
     shape = out_shape(pass_name, a.shape, b.shape, groups)
     # the workspace (group arguments, CUTLASS's tensor maps) as a second result: XLA allocates
@@ -157,10 +163,7 @@ def fused_forward(x, w, group_sizes, *, index=None, epilogue: str = "store", sca
     if epilogue == "scale" and (scale is None or scale.shape != (M,)):
         raise ValueError(f"fused_forward: the scale epilogue takes scale of shape ({M},), got "
                          f"{None if scale is None else scale.shape}")
-    why = available()
-    if why is not None:
-        raise RuntimeError(f"fused_forward: the CUTLASS grouped GEMM does not run here: {why}")
-    bootstrap.register_targets("gemm")
+    _ready("fused_forward")
     N = w.shape[2] // 2 if epilogue == "swiglu" else w.shape[2]
     none_i, none_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call("ep_comm_grouped_gemm_fused", jax.ShapeDtypeStruct((M, N), x.dtype))
@@ -204,10 +207,7 @@ def gathered_drhs(x, dy, group_sizes, *, index=None, config: int = 0):
     why = unsupported("drhs", x, dy, x.dtype)
     if why is not None:
         raise ValueError(f"gathered_drhs: {why}")
-    why = available()
-    if why is not None:
-        raise RuntimeError(f"gathered_drhs: the CUTLASS grouped GEMM does not run here: {why}")
-    bootstrap.register_targets("gemm")
+    _ready("gathered_drhs")
     G = group_sizes.shape[0]
     call = jax.ffi.ffi_call("ep_comm_grouped_gemm_drhs_gather",
                             jax.ShapeDtypeStruct((G, x.shape[1], dy.shape[1]), x.dtype))
@@ -264,10 +264,7 @@ def dswiglu_dlhs(dy, w_out, group_sizes, u, h, scale, *, config: int = 0):
         why = f"u and h must have dy's dtype {dy.dtype}, got {u.dtype} and {h.dtype}"
     if why is not None:
         raise ValueError(f"dswiglu_dlhs: {why}")
-    why = available()
-    if why is not None:
-        raise RuntimeError(f"dswiglu_dlhs: the CUTLASS grouped GEMM does not run here: {why}")
-    bootstrap.register_targets("gemm")
+    _ready("dswiglu_dlhs")
     tiles = -(-I // (128 if config == 1 else 256))
     call = jax.ffi.ffi_call("ep_comm_grouped_gemm_dswiglu", (
         jax.ShapeDtypeStruct((M, 2 * I), dy.dtype), jax.ShapeDtypeStruct((M, tiles), jnp.float32)))

@@ -128,6 +128,36 @@ CUTLASS_DEVICE void cp_async_16(uint32_t smem, const void* gmem, int bytes) {
 
 CUTLASS_DEVICE float silu(float v) { return v / (1.0f + __expf(-v)); }
 
+// The mainloop's pipeline: the first warpgroup produces, the others consume.
+template <class T>
+CUTLASS_DEVICE typename T::Pipeline make_pipeline(typename T::SharedStorage& shared) {
+  using Pipeline = typename T::Pipeline;
+  typename Pipeline::Params pp;
+  pp.role = cutlass::canonical_warp_group_idx() == 0 ? Pipeline::ThreadCategory::Producer
+                                                     : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = T::kProducers;
+  pp.consumer_arv_count = T::kConsumers;
+  return Pipeline(shared.pipeline, pp);
+}
+
+// The consumers' part: CUTLASS's GMMA mainloop over k_tiles stages, then the accumulators and
+// the same partition of the tile's (row, column) coordinates. ct: the thread among the consumers.
+template <class T>
+CUTLASS_DEVICE auto consume(typename T::Pipeline& pipeline, typename T::SharedStorage& shared,
+                            int k_tiles, int ct) {
+  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+  typename T::TiledMma mma;
+  Tensor acc = partition_fragment_C(mma, take<0, 2>(typename T::TileShape{}));
+  typename T::Mainloop mainloop;
+  typename T::Mainloop::Params none{};
+  typename T::Pipeline::PipelineState read;
+  mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
+  mainloop.mma_tail(pipeline, read, k_tiles);
+  Tensor coord = mma.get_slice(ct).partition_C(
+      make_identity_tensor(take<0, 2>(typename T::TileShape{})));
+  return cute::make_tuple(acc, coord);
+}
+
 // EPI a template argument: with the epilogue known, the loop over the accumulators unrolls and
 // they stay in registers.
 template <class T, class Ep, int EPI>
@@ -161,11 +191,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
   const int k_tiles = int((p.K + BK - 1) / BK);
 
   const int wg = cutlass::canonical_warp_group_idx();
-  typename Pipeline::Params pp;
-  pp.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.producer_arv_count = T::kProducers;
-  pp.consumer_arv_count = T::kConsumers;
-  Pipeline pipeline(shared.pipeline, pp);
+  Pipeline pipeline = make_pipeline<T>(shared);
   __syncthreads();
 
   if (wg == 0) {  // producer: cp.async of A's gathered rows and B's tile, stage by stage
@@ -271,19 +297,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
     }
     pipeline.producer_tail(write);
   } else {  // consumers: CUTLASS's GMMA mainloop, then the epilogue on the accumulators
-    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    const int ct = threadIdx.x - T::kProducers;
-    typename T::TiledMma mma;
-    Tensor acc = partition_fragment_C(mma, take<0, 2>(typename T::TileShape{}));
-    typename T::Mainloop mainloop;
-    typename T::Mainloop::Params none{};
-    State read;
-    mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
-    mainloop.mma_tail(pipeline, read, k_tiles);
-
-    // the same partition of the tile's (row, column) coordinates as the accumulators
-    Tensor coord = mma.get_slice(ct).partition_C(
-        make_identity_tensor(take<0, 2>(typename T::TileShape{})));
+    auto [acc, coord] = consume<T>(pipeline, shared, k_tiles, threadIdx.x - T::kProducers);
     static_assert(decltype(size(acc))::value % 2 == 0, "accumulators come in column pairs");
     if constexpr (EPI == kDSwiGLU) {
       // values (2, 2, BN / 8) per M block: 2i, 2i + 1 are columns c, c + 1 of one row, value
@@ -411,11 +425,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) 
   }
 
   const int wg = cutlass::canonical_warp_group_idx();
-  typename Pipeline::Params pp;
-  pp.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.producer_arv_count = T::kProducers;
-  pp.consumer_arv_count = T::kConsumers;
-  Pipeline pipeline(shared.pipeline, pp);
+  Pipeline pipeline = make_pipeline<T>(shared);
   __syncthreads();
 
   if (wg == 0) {
@@ -469,17 +479,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) 
     }
     pipeline.producer_tail(write);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    const int ct = threadIdx.x - T::kProducers;
-    typename T::TiledMma mma;
-    Tensor acc = partition_fragment_C(mma, take<0, 2>(typename T::TileShape{}));
-    typename T::Mainloop mainloop;
-    typename T::Mainloop::Params none{};
-    State read;
-    mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
-    mainloop.mma_tail(pipeline, read, k_tiles);
-    Tensor coord = mma.get_slice(ct).partition_C(
-        make_identity_tensor(take<0, 2>(typename T::TileShape{})));
+    auto [acc, coord] = consume<T>(pipeline, shared, k_tiles, threadIdx.x - T::kProducers);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i += 2) {  // values 2i, 2i + 1: columns c, c + 1 of one row
       const int64_t r = m0 + get<0>(coord(i)), c = col0 + get<1>(coord(i));
