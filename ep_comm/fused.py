@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from collectives import grouped_gemm
 from ep_comm.config import EPConfig
 from ep_comm.expand import expert_rows_read
-from ep_comm.gemm import pass_kernel, resolve
+from ep_comm.gemm import pass_implementations, pass_kernel, resolve
 from ep_comm.moe import combine, dispatch_steps
 from ep_comm.routes import drive
 from ep_comm.rows import gather_sum
@@ -59,6 +59,20 @@ def _gathered_drhs(kernel: str):
 def _passes(kernel: str):
     impl = "cutlass" if kernel == "cutlass" else "xla"
     return pass_kernel("dlhs", impl), pass_kernel("drhs", impl)
+
+
+def runs_fused(implementation, dtype, w_in, w_out, rows: int, api: str = "moe_layer") -> bool:
+    """Whether the SwiGLU experts ``w_in``, ``w_out`` over ``rows`` received rows run on the fused
+    kernels: ``implementation`` is ``"cutlass"``, or ``"auto"`` where it means ``"cutlass"`` for
+    every pass of both GEMMs (:func:`ep_comm.gemm.pass_implementations`, which raises for a
+    ``"cutlass"`` the operands cannot take, and notes once why ``"auto"`` falls back)."""
+    if not isinstance(implementation, str) or implementation not in ("auto", "cutlass"):
+        return False
+    x_like = jax.ShapeDtypeStruct((rows, w_in.shape[1]), dtype)
+    h_like = jax.ShapeDtypeStruct((rows, w_out.shape[1]), dtype)
+    impls = (pass_implementations(implementation, x_like, w_in, api=api)
+             + pass_implementations(implementation, h_like, w_out, api=api))
+    return all(i == "cutlass" for i in impls)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ep_comm.config import EPConfig
-from ep_comm.fused import fused_moe
+from ep_comm.fused import fused_moe, runs_fused
 from ep_comm.gemm import grouped_matmul, pass_implementations
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids
@@ -119,7 +119,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
       shared_w_in, shared_w_out: optional shared expert (``(H, 2 * I_s)`` and ``(I_s, H)``,
         SwiGLU, applied densely to every token and added).
       implementation: :func:`ep_comm.grouped_matmul`'s choice for the SwiGLU experts. With
-        ``"cutlass"``, one chunk in one round and no FP8 wire, the experts run fused
+        ``"cutlass"`` (what ``"auto"`` is on Hopper for 16-bit dtypes and the shapes its kernels
+        take), one chunk in one round and no FP8 wire, the experts run fused
         (:mod:`ep_comm.fused`: the up projection gathers the received rows and applies SwiGLU,
         the down projection the router weights, so ``expert_x`` and ``u`` are never written).
       return_handle: also return dispatch's handle (a :class:`MoEOutput`).
@@ -191,8 +192,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         return expert_y
 
     shared_y = None  # the shared expert's output (float32), where the pipeline computed it
-    if one.is_dropless and chunks == 1 and experts is None and implementation == "cutlass" \
-            and one.wire_format is None:
+    if one.is_dropless and chunks == 1 and experts is None and one.wire_format is None \
+            and runs_fused(implementation, x.dtype, w_in, w_out, one.expert_rows):
         # the fused path: the GEMMs read the exchange's buffer, SwiGLU and the router weights in
         # their epilogues (ep_comm.fused)
         y, handle = fused_moe(x, topk_ids, topk_weights, one, w_in, w_out, kernel="cutlass")
