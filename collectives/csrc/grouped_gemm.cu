@@ -402,6 +402,18 @@ int main() {
     wrong += check_pass<Kernel<E, RowMajor, ColumnMajor>, E>(kDlhs, sizes, 40, 24, 16);
     wrong += check_pass<Kernel<E, ColumnMajor, RowMajor>, E>(kDrhs, sizes, 40, 24, 16);
   }
+  // the fused kernels' CTA order (detail::strip_tile): each (row tile, column tile) once
+  for (int64_t tm : {1, 7, 8, 9, 17, 288}) {
+    for (int64_t tn : {1, 3, 16}) {
+      std::vector<int> seen(tm * tn, 0);
+      for (int64_t cta = 0; cta < tm * tn; ++cta) {
+        int64_t m = -1, n = -1;
+        strip_tile(cta, tm, tn, m, n);
+        if (m < 0 || m >= tm || n < 0 || n >= tn) ++wrong; else ++seen[m * tn + n];
+      }
+      for (int v : seen) wrong += v != 1;
+    }
+  }
   std::printf("grouped GEMM layout test: %lld wrong values\n", wrong);
   return wrong == 0 ? 0 : 1;
 }

@@ -1,6 +1,6 @@
 // What the grouped GEMM's kernels share (grouped_gemm_impl.cuh's pointer-array passes and
-// grouped_gemm_gather.cuh's fused forward): the architecture check and the zeroing of the rows
-// past the groups.
+// grouped_gemm_gather.cuh's fused forward): the architecture check, the fused kernels' CTA order
+// and the zeroing of the rows past the groups.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +19,22 @@ inline bool hopper() {
            major == 9;
   }();
   return yes;
+}
+
+// The fused kernels' CTA order over their (row tile, column tile) grid: strips of kStrip row
+// tiles, each strip walked one column tile at a time (its kStrip row tiles of column 0, then of
+// column 1, ...), so the CTAs resident at once share a few A row tiles and each B column tile in
+// L2, rather than each row tile streaming through the whole of B (A read once per strip, not once
+// per column tile). CTA `cta` of tiles_m * tiles_n computes row tile m, column tile n.
+constexpr int64_t kStrip = 8;
+__host__ __device__ inline void strip_tile(int64_t cta, int64_t tiles_m, int64_t tiles_n,
+                                           int64_t& m, int64_t& n) {
+  const int64_t per_strip = kStrip * tiles_n;
+  const int64_t first = cta / per_strip * kStrip;
+  const int64_t height = tiles_m - first < kStrip ? tiles_m - first : kStrip;
+  const int64_t r = cta % per_strip;
+  m = first + r % height;
+  n = r / height;
 }
 
 // Rows [the sum of the clamped group sizes, M) of a row-major (M, units * 16 bytes) output to

@@ -48,15 +48,13 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
     return ffi::Error::Internal("ep_comm fused grouped GEMM: shared memory attribute: " +
                                 std::string(cudaGetErrorString(attr)));
   }
-  // every group's row tiles, at most M / BM + G of them (CTAs past the last tile return)
-  const int64_t tiles_m = (p.M + T::BM - 1) / T::BM + p.G;
-  const int64_t tiles_n = (p.N + T::BN - 1) / T::BN;
-  if (tiles_m > INT32_MAX || tiles_n > 65535) {
+  int64_t tiles_m, tiles_n;
+  grid_tiles<T>(p, tiles_m, tiles_n);
+  if (tiles_m * tiles_n > INT32_MAX) {
     return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: the problem is too large for "
                                        "its grid");
   }
-  kernel<T, E, EPI><<<dim3(unsigned(tiles_m), unsigned(tiles_n)), T::kThreads, T::kSmemBytes,
-                      stream>>>(p);
+  kernel<T, E, EPI><<<unsigned(tiles_m * tiles_n), T::kThreads, T::kSmemBytes, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("launch"));
 }

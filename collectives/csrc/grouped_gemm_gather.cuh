@@ -21,6 +21,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/numeric_types.h"
 #include "cutlass/pipeline/pipeline.hpp"
+#include "grouped_gemm_common.cuh"
 
 namespace ep_comm::gemm::gather {
 
@@ -36,7 +37,7 @@ using namespace cute;
 //   kDSwiGLU: the down projection's dlhs with SwiGLU's derivative (B = w_out[g]^T read K-major
 //            in place): for dh_w = acc (N = I columns), dh = dh_w * scale[r], out (M, 2I) =
 //            [dh * up * s * (1 + gate * (1 - s)), dh * silu(gate)] with s = sigmoid(gate) from
-//            u (M, 2I), and part[r, blockIdx.y] = sum over the tile's columns of dh_w * h[r]
+//            u (M, 2I), and part[r, n] = sum over column tile n's columns of dh_w * h[r]
 //            (the router weight's gradient, summed over the column tiles by the caller)
 enum Epilogue : int { kStore = 0, kSwiGLU = 1, kScale = 2, kDSwiGLU = 3 };
 constexpr int kEpilogues = 4;
@@ -158,6 +159,14 @@ CUTLASS_DEVICE auto consume(typename T::Pipeline& pipeline, typename T::SharedSt
   return cute::make_tuple(acc, coord);
 }
 
+// The fused kernel's grid: every group's row tiles, at most M / BM + G of them (CTAs past the
+// last tile return), by the accumulator's column tiles; one CTA per tile, 1-D.
+template <class T, class Ep>
+CUTLASS_HOST_DEVICE void grid_tiles(const Params<Ep>& p, int64_t& tiles_m, int64_t& tiles_n) {
+  tiles_m = (p.M + T::BM - 1) / T::BM + p.G;
+  tiles_n = (p.N + T::BN - 1) / T::BN;
+}
+
 // EPI a template argument: with the epilogue known, the loop over the accumulators unrolls and
 // they stay in registers.
 template <class T, class Ep, int EPI>
@@ -169,9 +178,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
   extern __shared__ __align__(128) char smem_raw[];
   auto& shared = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
-  // This CTA's tile: the blockIdx.x-th row tile over the groups in order (each group's rows
-  // cut into tiles of BM; groups clamped as fill_groups does), column tile blockIdx.y.
-  int64_t tile = blockIdx.x, off = 0, rows = 0, group = -1;
+  // This CTA's tile (detail::strip_tile's order over the launch's grid_tiles): row tile `tile`
+  // over the groups in order (each group's rows cut into tiles of BM; groups clamped as
+  // fill_groups does), column tile tile_n.
+  int64_t tiles_m, tiles_n, tile, tile_n;
+  grid_tiles<T>(p, tiles_m, tiles_n);
+  detail::strip_tile(blockIdx.x, tiles_m, tiles_n, tile, tile_n);
+  int64_t off = 0, rows = 0, group = -1;
   for (int64_t i = 0; i < p.G; ++i) {
     int64_t s = p.sizes[i];
     s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
@@ -187,7 +200,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
   if (group < 0) return;  // past the last tile (the grid is sized for the worst case)
   const int64_t row0 = tile * BM;              // first row of the tile within the group
   const int64_t rows_left = rows - row0;       // rows of the tile in the group (may be < BM)
-  const int64_t col0 = int64_t(blockIdx.y) * BN;
+  const int64_t col0 = tile_n * BN;
   const int k_tiles = int((p.K + BK - 1) / BK);
 
   const int wg = cutlass::canonical_warp_group_idx();
@@ -243,7 +256,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
     }
     // B's columns of 128-wide block nh: col0 + 128 nh, or with SwiGLU the gate block (the
     // first half of the tile) and the up block (the second) of output columns jb + ...
-    const int64_t jb = int64_t(blockIdx.y) * (BN / 2), half_n = p.N / 2;
+    const int64_t jb = tile_n * (BN / 2), half_n = p.N / 2;
     const Ep* w = p.w + group * p.K * p.N + n;
     int64_t b_col[kNh];
     bool b_ok[kNh];
@@ -333,7 +346,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
           *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + p.N + c) = du;
         }
       }
-      const int64_t tiles_n = (p.N + BN - 1) / BN;
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < kMb; ++m) {
         CUTLASS_PRAGMA_UNROLL
@@ -343,7 +355,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
           v += __shfl_xor_sync(0xffffffff, v, 2);
           const int r = get<0>(coord(2 * half, m, 0));  // (value 2: the row + 8)
           if (threadIdx.x % 4 == 0 && r < rows_left) {
-            p.part[(off + row0 + r) * tiles_n + blockIdx.y] = v;
+            p.part[(off + row0 + r) * tiles_n + tile_n] = v;
           }
         }
       }
@@ -355,7 +367,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
                     decltype(size<0>(acc))::value == T::BN / 2,
                     "SwiGLU pairs the halves of a 256-wide tile's single GMMA N block");
       constexpr int kHalf = T::BN / 4;
-      const int64_t half_n = p.N / 2, jb = int64_t(blockIdx.y) * (T::BN / 2);
+      const int64_t half_n = p.N / 2, jb = tile_n * (T::BN / 2);
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < size<1>(acc); ++m) {
         CUTLASS_PRAGMA_UNROLL
