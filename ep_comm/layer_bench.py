@@ -41,6 +41,7 @@ from collectives.timing import emit, hardware, median_us, pipelined_us, trace_ke
 from ep_comm import baselines
 from ep_comm import gemm as gm
 from ep_comm import pipeline
+from ep_comm.fused import runs_fused
 
 # tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N. The
 # weight-gradient kernel (drhs) runs a plain (M/bm, N/bn, groups) grid: persistence and grid order
@@ -247,11 +248,11 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
         label = f"moe_layer grouped_matmul={impl}"
-        if impl == "cutlass" and cfg.is_dropless and cfg.num_chunks == 1 \
-                and cfg.wire_format is None:
-            label += " (fused)"  # moe_layer's fused path (ep_comm.fused)
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
+        if cfg.is_dropless and cfg.num_chunks == 1 and cfg.wire_format is None \
+                and runs_fused(impl, dtype, wis, wos, cfg.expert_rows):
+            label += " (fused)"  # moe_layer's fused path (ep_comm.fused)
         if not fits:
             results.append(dict(impl=label, pass_="forward", skipped="dense mask too large"))
             continue
