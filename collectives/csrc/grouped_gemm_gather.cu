@@ -116,6 +116,33 @@ ffi::Error run(cudaStream_t stream, const Params<E>& p, int epilogue, int config
   return ffi::Error::Success();
 }
 
+// What the three handlers check alike: 16-bit types, the tile config, K and N multiples of 8
+// (16-byte rows), and a Hopper GPU; `api` names the handler in the message.
+bool sixteen_bit(ffi::DataType dt) {
+  return dt == ffi::DataType::BF16 || dt == ffi::DataType::F16;
+}
+
+ffi::Error invalid(const char* api, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(api) + ": " + what);
+}
+
+std::string config_error(int64_t config) {
+  return config < 0 || config >= kConfigs ? "config must be in [0, 2), got " + std::to_string(config)
+                                          : std::string();
+}
+
+std::string multiples_error(int64_t K, int64_t N) {
+  return K % 8 || N % 8 ? "K and N must be multiples of 8, got K=" + std::to_string(K) + ", N=" +
+                              std::to_string(N)
+                        : std::string();
+}
+
+ffi::Error not_hopper(const char* api) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    std::string(api) + ": its kernels are sm_90a (Hopper) only, and this GPU is "
+                    "not a Hopper");
+}
+
 std::string dims(const ffi::AnyBuffer& b) {
   std::string s = "(";
   auto d = b.dimensions();
@@ -127,21 +154,17 @@ ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> in
                  ffi::AnyBuffer w, ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> scale,
                  ffi::Result<ffi::AnyBuffer> out, int64_t epilogue, int64_t config,
                  int64_t zero_tail) {
-  auto bad = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: " + what);
-  };
+  constexpr const char* api = "ep_comm fused grouped GEMM";
+  auto bad = [](const std::string& what) { return invalid(api, what); };
   if (epilogue < 0 || epilogue > kScale) {  // (kDSwiGLU has its own handler)
     return bad("epilogue must be in [0, 3), got " + std::to_string(epilogue));
   }
-  if (config < 0 || config >= kConfigs) {
-    return bad("config must be in [0, 2), got " + std::to_string(config));
-  }
+  if (!config_error(config).empty()) return bad(config_error(config));
   if (epilogue == kSwiGLU && config != 0) {
     return bad("the swiglu epilogue runs with config 0 (a 256-wide tile holds both halves)");
   }
   const auto dt = x.element_type();
-  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || w.element_type() != dt ||
-      out->element_type() != dt) {
+  if (!sixteen_bit(dt) || w.element_type() != dt || out->element_type() != dt) {
     return bad("x, w and the result must all be bfloat16 or all float16");
   }
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
@@ -174,11 +197,7 @@ ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> in
                ? ffi::Error::Success()
                : ffi::Error::Internal(cuda_error("memset"));
   }
-  if (!detail::hopper()) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "ep_comm fused grouped GEMM: its kernels are sm_90a (Hopper) only, and this "
-                      "GPU is not a Hopper");
-  }
+  if (!detail::hopper()) return not_hopper(api);
   auto make = [&](auto tag) {
     using E = decltype(tag);
     return Params<E>{static_cast<const E*>(x.untyped_data()),
@@ -198,15 +217,11 @@ ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> in
 ffi::Error DrhsGather(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
                       ffi::AnyBuffer dy, ffi::Buffer<ffi::S32> group_sizes,
                       ffi::Result<ffi::AnyBuffer> out, int64_t config) {
-  auto bad = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("ep_comm gathered drhs: " + what);
-  };
-  if (config < 0 || config >= kConfigs) {
-    return bad("config must be in [0, 2), got " + std::to_string(config));
-  }
+  constexpr const char* api = "ep_comm gathered drhs";
+  auto bad = [](const std::string& what) { return invalid(api, what); };
+  if (!config_error(config).empty()) return bad(config_error(config));
   const auto dt = x.element_type();
-  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || dy.element_type() != dt ||
-      out->element_type() != dt) {
+  if (!sixteen_bit(dt) || dy.element_type() != dt || out->element_type() != dt) {
     return bad("x, dy and the result must all be bfloat16 or all float16");
   }
   const auto xd = x.dimensions(), yd = dy.dimensions(), od = out->dimensions();
@@ -223,16 +238,9 @@ ffi::Error DrhsGather(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
     return bad("index must hold one row per row of dy (" + std::to_string(M) + "), or none "
                "when x has dy's rows; got " + std::to_string(n_index) + " for x " + dims(x));
   }
-  if (K % 8 || N % 8) {
-    return bad("K and N must be multiples of 8, got K=" + std::to_string(K) + ", N=" +
-               std::to_string(N));
-  }
+  if (!multiples_error(K, N).empty()) return bad(multiples_error(K, N));
   if (out->element_count() == 0) return ffi::Error::Success();
-  if (!detail::hopper()) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "ep_comm gathered drhs: its kernels are sm_90a (Hopper) only, and this GPU "
-                      "is not a Hopper");
-  }
+  if (!detail::hopper()) return not_hopper(api);
   auto make = [&](auto tag) {
     using E = decltype(tag);
     return DrhsParams<E>{static_cast<const E*>(x.untyped_data()),
@@ -248,15 +256,11 @@ ffi::Error DSwiGLU(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w,
                    ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer u, ffi::AnyBuffer h,
                    ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> du,
                    ffi::Result<ffi::Buffer<ffi::F32>> part, int64_t config) {
-  auto bad = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("ep_comm dSwiGLU dlhs: " + what);
-  };
-  if (config < 0 || config >= kConfigs) {
-    return bad("config must be in [0, 2), got " + std::to_string(config));
-  }
+  constexpr const char* api = "ep_comm dSwiGLU dlhs";
+  auto bad = [](const std::string& what) { return invalid(api, what); };
+  if (!config_error(config).empty()) return bad(config_error(config));
   const auto dt = dy.element_type();
-  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || w.element_type() != dt ||
-      u.element_type() != dt || h.element_type() != dt || du->element_type() != dt) {
+  if (!sixteen_bit(dt) || w.element_type() != dt || u.element_type() != dt || h.element_type() != dt || du->element_type() != dt) {
     return bad("dy, w, u, h and du must all be bfloat16 or all float16");
   }
   const auto yd = dy.dimensions(), wd = w.dimensions(), ud = u.dimensions(), hd = h.dimensions(),
@@ -272,16 +276,9 @@ ffi::Error DSwiGLU(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w,
                " and the results do not fit (dy (M, K), w (G, N, K), u (M, 2N), h (M, N), scale "
                "(M,), du (M, 2N), part (M, N / " + std::to_string(bn) + "))");
   }
-  if (K % 8 || N % 8) {
-    return bad("K and N must be multiples of 8, got K=" + std::to_string(K) + ", N=" +
-               std::to_string(N));
-  }
+  if (!multiples_error(K, N).empty()) return bad(multiples_error(K, N));
   if (du->element_count() == 0) return ffi::Error::Success();
-  if (!detail::hopper()) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "ep_comm dSwiGLU dlhs: its kernels are sm_90a (Hopper) only, and this GPU "
-                      "is not a Hopper");
-  }
+  if (!detail::hopper()) return not_hopper(api);
   if (K == 0) {
     return cudaMemsetAsync(du->untyped_data(), 0, du->size_bytes(), stream) == cudaSuccess &&
                    cudaMemsetAsync(part->untyped_data(), 0, part->size_bytes(), stream) ==
