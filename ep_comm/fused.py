@@ -63,9 +63,9 @@ def _passes(kernel: str):
 
 def runs_fused(implementation, dtype, w_in, w_out, rows: int, api: str = "moe_layer") -> bool:
     """Whether the SwiGLU experts ``w_in``, ``w_out`` over ``rows`` received rows run on the fused
-    kernels: ``implementation`` is ``"cutlass"``, or ``"auto"`` where it means ``"cutlass"`` for
-    every pass of both GEMMs (:func:`ep_comm.gemm.pass_implementations`, which raises for a
-    ``"cutlass"`` the operands cannot take, and notes once why ``"auto"`` falls back)."""
+    kernels: ``implementation`` means ``"cutlass"`` for every pass of both GEMMs
+    (:func:`ep_comm.gemm.pass_implementations`, which raises for a ``"cutlass"`` the operands
+    cannot take)."""
     if not isinstance(implementation, str) or implementation not in ("auto", "cutlass"):
         return False
     x_like = jax.ShapeDtypeStruct((rows, w_in.shape[1]), dtype)
