@@ -61,13 +61,17 @@ def _passes(kernel: str):
     return pass_kernel("dlhs", impl), pass_kernel("drhs", impl)
 
 
-def runs_fused(implementation, dtype, w_in, w_out, rows: int, api: str = "moe_layer") -> bool:
-    """Whether the SwiGLU experts ``w_in``, ``w_out`` over ``rows`` received rows run on the fused
-    kernels: ``implementation`` means ``"cutlass"`` for every pass of both GEMMs
+def runs_fused(implementation, config: EPConfig, chunks, dtype, w_in, w_out,
+               api: str = "moe_layer") -> bool:
+    """Whether :func:`ep_comm.moe_layer` runs its SwiGLU experts ``w_in``, ``w_out`` here: one
+    chunk (``chunks``; ``config`` the chunk's) in one round (dropless), no FP8 wire, and
+    ``implementation`` meaning ``"cutlass"`` for every pass of both GEMMs
     (:func:`ep_comm.gemm.pass_implementations`, which raises for a ``"cutlass"`` the operands
     cannot take)."""
-    if not isinstance(implementation, str) or implementation not in ("auto", "cutlass"):
+    if not (config.is_dropless and chunks == 1 and config.wire_format is None
+            and isinstance(implementation, str) and implementation in ("auto", "cutlass")):
         return False
+    rows = config.expert_rows
     x_like = jax.ShapeDtypeStruct((rows, w_in.shape[1]), dtype)
     h_like = jax.ShapeDtypeStruct((rows, w_out.shape[1]), dtype)
     impls = (pass_implementations(implementation, x_like, w_in, api=api)

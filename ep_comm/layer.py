@@ -191,8 +191,7 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         return expert_y
 
     shared_y = None  # the shared expert's output (float32), where the pipeline computed it
-    if one.is_dropless and chunks == 1 and experts is None and one.wire_format is None \
-            and runs_fused(implementation, x.dtype, w_in, w_out, one.expert_rows):
+    if experts is None and runs_fused(implementation, one, chunks, x.dtype, w_in, w_out):
         # the fused path: the GEMMs read the exchange's buffer, SwiGLU and the router weights in
         # their epilogues (ep_comm.fused)
         y, handle = fused_moe(x, topk_ids, topk_weights, one, w_in, w_out, kernel="cutlass")

@@ -250,8 +250,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         label = f"moe_layer grouped_matmul={impl}"
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
-        if cfg.is_dropless and cfg.num_chunks == 1 and cfg.wire_format is None \
-                and runs_fused(impl, dtype, wis, wos, cfg.expert_rows):
+        if runs_fused(impl, cfg, cfg.num_chunks, dtype, wis, wos):
             label += " (fused)"  # moe_layer's fused path (ep_comm.fused)
         if not fits:
             results.append(dict(impl=label, pass_="forward", skipped="dense mask too large"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -210,14 +211,21 @@ def test_runs_fused_where_both_gemms_take_the_cutlass_kernel(monkeypatch):
     bf = jnp.bfloat16
     w_in, w_in12 = (jax.ShapeDtypeStruct((4, 16, n), bf) for n in (48, 12))
     w_out = jax.ShapeDtypeStruct((4, 24, 16), bf)
-    assert fused.runs_fused("cutlass", bf, w_in, w_out, 64)
-    assert not fused.runs_fused("auto", bf, w_in, w_out, 64)
-    assert not fused.runs_fused({"forward": "cutlass"}, bf, w_in, w_out, 64)
+    cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=2, num_experts=8, topk=2,
+                           tokens_per_rank=16, capacity_factor=None)
+    rows = f"x bfloat16 ({cfg.expert_rows}, 16)"
+    assert fused.runs_fused("cutlass", cfg, 1, bf, w_in, w_out)
+    assert not fused.runs_fused("cutlass", cfg, 2, bf, w_in, w_out)  # chunks
+    assert not fused.runs_fused("auto", cfg, 1, bf, w_in, w_out)
+    assert not fused.runs_fused({"forward": "cutlass"}, cfg, 1, bf, w_in, w_out)
+    for other in (dict(recv_capacity=32), dict(wire_format="e4m3")):
+        assert not fused.runs_fused("cutlass", dataclasses.replace(cfg, **other), 1, bf, w_in,
+                                    w_out), other
     with pytest.raises(ValueError, match=re.escape(
-            "moe_layer: implementation='cutlass' (forward) cannot take x bfloat16 (64, 16) "
-            "and w (4, 16, 12) with preferred_element_type=bfloat16: the kernel needs K and N "
-            "to be multiples of 8, got K=16, N=12")):
-        fused.runs_fused("cutlass", bf, w_in12, jax.ShapeDtypeStruct((4, 6, 16), bf), 64)
+            f"moe_layer: implementation='cutlass' (forward) cannot take {rows} and w "
+            f"(4, 16, 12) with preferred_element_type=bfloat16: the kernel needs K and N to be "
+            f"multiples of 8, got K=16, N=12")):
+        fused.runs_fused("cutlass", cfg, 1, bf, w_in12, jax.ShapeDtypeStruct((4, 6, 16), bf))
 
 
 def test_grouped_gemm_rules():
