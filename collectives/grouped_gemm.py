@@ -37,6 +37,8 @@ PASSES = ("forward", "dlhs", "drhs")
 # the other's mainloop). The defaults per pass are a first guess, to be replaced by the H200 sweep
 # (layer_bench's GEMM rows): ping-pong for drhs, whose K is one group's rows.
 CONFIGS = (0, 1)
+TILE_N = {0: 256, 1: 128}  # each config's tile width (the dswiglu pass's column tiles: its handler
+# checks the count it is given against its grid)
 DEFAULT_CONFIGS = {"forward": 0, "dlhs": 0, "drhs": 1}
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ALIGN = 8  # K and N in elements: 16-byte rows for TMA
@@ -265,7 +267,7 @@ def dswiglu_dlhs(dy, w_out, group_sizes, u, h, scale, *, config: int = 0):
     if why is not None:
         raise ValueError(f"dswiglu_dlhs: {why}")
     _ready("dswiglu_dlhs")
-    tiles = -(-I // (128 if config == 1 else 256))
+    tiles = -(-I // TILE_N[config])
     call = jax.ffi.ffi_call("ep_comm_grouped_gemm_dswiglu", (
         jax.ShapeDtypeStruct((M, 2 * I), dy.dtype), jax.ShapeDtypeStruct((M, tiles), jnp.float32)))
     return call(dy, w_out, group_sizes.astype(jnp.int32), u, h, scale.astype(jnp.float32),
