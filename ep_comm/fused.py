@@ -11,7 +11,9 @@ expert) pair reads (``materialize=False``), so ``expert_x`` is never written;
   with unit weights.
 
 The backward (a custom VJP) recomputes ``u`` with the same kernel rather than keeping it (one
-GEMM's time against ``C x 2I`` elements of memory); the down projection's ``dlhs`` applies the
+GEMM's time against ``C x 2I`` elements of memory; ``keep_u=True`` keeps it instead: the forward
+then writes ``u`` and applies SwiGLU in XLA, which ``layer_bench``'s ``cutlass-keep-u`` row
+measures against the default); the down projection's ``dlhs`` applies the
 router weight and SwiGLU's derivative in its epilogue and yields the router weights' gradient as
 ``<dy . w_out^T, h>`` (the pairs' unweighted outputs are neither kept nor recomputed,
 :func:`collectives.grouped_gemm.dswiglu_dlhs`); then it runs the grouped ``dlhs``/``drhs``
@@ -79,25 +81,35 @@ def runs_fused(implementation, config: EPConfig, chunks, dtype, w_in, w_out,
     return all(i == "cutlass" for i in impls)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def fused_experts(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def fused_experts(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel,
+                  keep_u=False):
     """``pair_w[r] * (swiglu(rows[sources[r]] @ w_in[g]) @ w_out[g])`` for the pairs ``r`` of
     group ``g`` (``(C, H)``, zero past the groups); ``recv_pos`` ``(R, K)`` (each received row's
-    pairs, ``C`` for none) is what the gather's transpose sums over."""
-    return _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel)[0]
+    pairs, ``C`` for none) is what the gather's transpose sums over. ``keep_u``: the backward
+    reads the up projection's output kept from the forward instead of recomputing it."""
+    fwd = functools.partial(_forward(kernel), zero_tail=False)
+    h = fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
+    return fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
 
 
-def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel):
+def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel, keep_u):
     # rows past the groups are left unwritten (zero_tail=False) here and in the backward: no
     # later pass reads them (combine and the grouped passes read the groups' rows only)
     fwd = functools.partial(_forward(kernel), zero_tail=False)
-    h = fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
+    if keep_u:  # u written and kept; SwiGLU in XLA (float32, rounded to u's dtype)
+        u = fwd(rows, w_in, group_sizes, index=sources)
+        I = w_out.shape[1]
+        h = (jax.nn.silu(u[:, :I].astype(jnp.float32)) * u[:, I:].astype(jnp.float32)).astype(
+            u.dtype)
+    else:
+        u, h = None, fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
     y = fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
-    return y, (rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h)
+    return y, (rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h, u)
 
 
-def _fused_bwd(kernel, res, dy_w):
-    rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h = res
+def _fused_bwd(kernel, keep_u, res, dy_w):
+    rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h, u = res
     fwd, (dlhs, drhs) = functools.partial(_forward(kernel), zero_tail=False), _passes(kernel)
     dt, C = rows.dtype, sources.shape[0]
     grouped = jnp.arange(C) < jnp.sum(group_sizes)
@@ -105,7 +117,8 @@ def _fused_bwd(kernel, res, dy_w):
     # router weights' gradient as <dh_w, h> (= <dy_w, h . w_out>: the pairs' unweighted outputs
     # are neither kept nor recomputed) and dh = pair_w * dh_w, whose SwiGLU derivative on u
     # (recomputed: gate first, then up) is du; the kernel does all of it in the dlhs epilogue
-    u = fwd(rows, w_in, group_sizes, index=sources)
+    if not keep_u:
+        u = fwd(rows, w_in, group_sizes, index=sources)
     dy_w = dy_w.astype(dt)
     if kernel == "cutlass":
         du, part = grouped_gemm.dswiglu_dlhs(dy_w, w_out, group_sizes, u, h, pair_w)
@@ -128,12 +141,15 @@ def _fused_bwd(kernel, res, dy_w):
 fused_experts.defvjp(_fused_fwd, _fused_bwd)
 
 
-def fused_moe(x, topk_ids, topk_weights, config: EPConfig, w_in, w_out, kernel: str = "cutlass"):
+def fused_moe(x, topk_ids, topk_weights, config: EPConfig, w_in, w_out, kernel: str = "cutlass",
+              keep_u: bool = False):
     """:func:`ep_comm.moe_layer`'s SwiGLU experts through the fused kernels, for one chunk in one
     round (``config.is_dropless``) with no FP8 wire: returns ``((T, H) y, handle)``. Arguments
-    as ``moe_layer``'s, checked there."""
+    as ``moe_layer``'s, checked there; ``keep_u`` as :func:`fused_experts`'s."""
     if kernel not in KERNELS:
         raise ValueError(f"fused_moe: kernel must be one of {KERNELS}, got {kernel!r}")
+    if not isinstance(keep_u, bool):
+        raise ValueError(f"fused_moe: keep_u must be a bool, got {keep_u!r}")
     if kernel == "cutlass":  # where it runs, and the dtypes it takes (moe_layer's own words)
         resolve("cutlass", x.dtype, api="moe_layer")
     (rows, sources), handle = drive(dispatch_steps(x, topk_ids, topk_weights, config,
@@ -144,7 +160,7 @@ def fused_moe(x, topk_ids, topk_weights, config: EPConfig, w_in, w_out, kernel: 
     pair_w = jnp.zeros((C,), jnp.float32).at[handle.recv_pos].add(handle.recv_weights,
                                                                    mode="drop")
     y_pairs = fused_experts(rows, sources, handle.recv_pos, handle.group_sizes, w_in, w_out,
-                            pair_w, kernel)
+                            pair_w, kernel, keep_u)
     # combine sums each token's rows, each once, unweighted: the weights are in y_pairs
     first = expert_rows_read(handle.recv_pos, C) < C
     unit = dataclasses.replace(handle, recv_weights=first.astype(jnp.float32))

@@ -41,7 +41,7 @@ from collectives.timing import emit, hardware, median_us, pipelined_us, trace_ke
 from ep_comm import baselines
 from ep_comm import gemm as gm
 from ep_comm import pipeline
-from ep_comm.fused import runs_fused
+from ep_comm.fused import fused_moe, runs_fused
 
 # tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N. The
 # weight-gradient kernel (drhs) runs a plain (M/bm, N/bn, groups) grid: persistence and grid order
@@ -168,6 +168,11 @@ def _wrong(out, ref, dtype, k):
     return int(np.sum(np.abs(out - ref) > tol))
 
 
+# --implementation's extra row: the fused path keeping u (the up projection's output) for the
+# backward instead of recomputing it (ep_comm.fused), to measure the two against each other
+KEEP_U = "cutlass-keep-u"
+
+
 def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
                  xla_max_gib, profile, with_xla=True):
     """moe_layer forward and forward+backward, next to the dense ceiling of the same FLOPs."""
@@ -192,6 +197,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
 
     def program(impl):
         def f(x, ids, w, wi, wo):
+            if impl == KEEP_U:
+                return fused_moe(x, ids, w, cfg, wi, wo, keep_u=True)[0]
             return ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, implementation=impl)
         fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
@@ -237,20 +244,22 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     del ex, handle
     gpu = jax.default_backend() == "gpu"
     variants = [(impl, True) for impl in implementation.split(",")]  # e.g. "cutlass,tokamax"
-    if with_xla and all(gm.resolve(impl, dtype) != "xla" for impl, _ in variants):
+    gemm_of = lambda impl: gm.resolve("cutlass" if impl == KEEP_U else impl, dtype)  # noqa: E731
+    if with_xla and all(gemm_of(impl) != "xla" for impl, _ in variants):
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
-        if n == 1 and fits:  # plain JAX with the same GEMM kernel (one rank: every expert here)
-            kind = gm.resolve(impl, dtype)
+        if n == 1 and fits and impl != KEEP_U:  # plain JAX with the same GEMM kernel (one rank:
+            kind = gm.resolve(impl, dtype)      # every expert here)
             gemm = (jax.lax.ragged_dot if kind == "xla" else functools.partial(
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
-        label = f"moe_layer grouped_matmul={impl}"
+        label = ("moe_layer fused path, u kept (cutlass)" if impl == KEEP_U
+                 else f"moe_layer grouped_matmul={impl}")
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
-        if runs_fused(impl, cfg, cfg.num_chunks, dtype, wis, wos):
+        if impl == KEEP_U or runs_fused(impl, cfg, cfg.num_chunks, dtype, wis, wos):
             label += " (fused)"  # moe_layer's fused path (ep_comm.fused)
         if not fits:
             results.append(dict(impl=label, pass_="forward", skipped="dense mask too large"))
@@ -262,7 +271,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         mem = fwd.lower(xs, idss, ws, wis, wos).compile().memory_analysis()
         print(f"  {label} forward: {t_f:.1f} us, {t_f / t_dense_f:.2f}x dense "
               f"({t_dense_f:.1f} us), #wrong {wrong}", flush=True)
-        results.append(dict(impl=label, gemm=gm.resolve(impl, dtype), pass_="forward",
+        results.append(dict(impl=label, gemm=gemm_of(impl), pass_="forward",
                             time_us=t_f,
                             tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
                             temp_bytes=getattr(mem, "temp_size_in_bytes", None)))
@@ -270,7 +279,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
             continue  # its drhs is a dense masked product over every group: forward shows enough
         t_b = median_us(bwd, (xs, ws, wis, wos, idss), warmup, iters)
         mem = bwd.lower(xs, ws, wis, wos, idss).compile().memory_analysis()
-        rep = dict(impl=label, gemm=gm.resolve(impl, dtype), pass_="fwd+bwd", time_us=t_b,
+        rep = dict(impl=label, gemm=gemm_of(impl), pass_="fwd+bwd", time_us=t_b,
                    tflops=3 * fwd_flops / t_b / 1e6,
                    x_dense=t_b / t_dense_b, temp_bytes=getattr(mem, "temp_size_in_bytes", None))
         if profile and impl == variants[0][0]:
@@ -662,7 +671,9 @@ def main(argv=None):
                     help="rounds: capacity per round in balanced rows (T * topk) per rank")
     ap.add_argument("--tune", action="store_true",
                     help="run the layer with the fastest tokamax config per pass of the sweep")
-    ap.add_argument("--implementation", default="auto", help="grouped_matmul's, for the layer")
+    ap.add_argument("--implementation", default="auto",
+                    help="grouped_matmul's, for the layer: comma-separated, e.g. "
+                         f"cutlass,tokamax; {KEEP_U}: the fused path keeping u for the backward")
     ap.add_argument("--xla-max-gib", type=float, default=40.0,
                     help="skip lax.ragged_dot on GPU when its dense mask exceeds this")
     ap.add_argument("--no-xla", action="store_true",

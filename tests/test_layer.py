@@ -555,15 +555,16 @@ def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared
 
 
 @functools.lru_cache(maxsize=None)
-def fused_program(sharded, cfg):
-    """The fused path (reference kernels) and its gradients in x, the router weights, w_in and
-    w_out."""
+def fused_program(sharded, cfg, keep_u=False):
+    """The fused path (reference kernels; ``keep_u`` as fused_moe's) and its gradients in x, the
+    router weights, w_in and w_out."""
     from jax.sharding import PartitionSpec as P
     from ep_comm import fused
 
     def f(x, ids, w, w_in, w_out, cot):
         def loss(x, w, w_in, w_out):
-            y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel="reference")[0]
+            y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel="reference",
+                                keep_u=keep_u)[0]
             return jax.lax.psum(jnp.sum(y * cot), "ep"), y
         grads, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, w_in, w_out)
         return (y,) + grads
@@ -572,15 +573,17 @@ def fused_program(sharded, cfg):
                                  out_specs=(P("ep"),) * 5))
 
 
-@pytest.mark.parametrize("kind", ["masked", "one_rank"])
-def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind):
+@pytest.mark.parametrize("kind,keep_u", [("masked", False), ("one_rank", True)])
+def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind, keep_u):
     """The layer's fused path (dispatch stopping at the receive buffer, the gather and SwiGLU in
     the up projection, the router weights in the down projection, combine summing unit-weight
-    rows; its custom VJP), run with the fused kernel's reference: the dense layer's values and
-    gradients, repeated experts in a token ("one_rank") and empty slots ("masked") included."""
+    rows; its custom VJP, recomputing the up projection or keeping it), run with the fused
+    kernel's reference: the dense layer's values and gradients, repeated experts in a token
+    ("one_rank") and empty slots ("masked") included."""
     x, ids, w, w_in, w_out, s_in, s_out, cot = layer_inputs(rng, n, kind)
     cfg = layer_config(n, capacity_factor=None)  # one round: the fused path's case
-    got = sharded.get(fused_program(sharded, cfg)(*sharded.put(x, ids, w, w_in, w_out, cot)))
+    got = sharded.get(fused_program(sharded, cfg, keep_u)(
+        *sharded.put(x, ids, w, w_in, w_out, cot)))
     want = dense_reference(x, ids, w, w_in, w_out, s_in, s_out, cot, False)
     for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out"), got, want):
         assert g.shape == r.shape, name
@@ -602,7 +605,8 @@ def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind):
 @CUTLASS
 def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
     """moe_layer(implementation="cutlass") runs the fused path on Hopper: the fused kernels'
-    values and gradients against the same path with the kernels' plain-JAX reference, bf16."""
+    values and gradients against the same path with the kernels' plain-JAX reference, bf16; and
+    the same with the up projection kept for the backward (``keep_u``)."""
     from jax.sharding import PartitionSpec as P
     from ep_comm import fused
     x, ids, w, w_in, w_out, _, _, cot = layer_inputs(rng, n, "one_rank")
@@ -616,8 +620,9 @@ def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
                 if kernel == "cutlass":
                     y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
                                           implementation="cutlass")
-                else:
-                    y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel=kernel)[0]
+                else:  # "reference", or "cutlass" keeping u
+                    y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel=kernel.split()[0],
+                                        keep_u=kernel.endswith("keep u"))[0]
                 return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * cot), "ep"), y
             grads, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, w_in, w_out)
             return (y,) + grads
@@ -625,11 +630,13 @@ def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
             f, mesh=sharded.mesh, in_specs=(P("ep"),) * 6, out_specs=(P("ep"),) * 5))(
                 *sharded.put(x, ids, w, w_in, w_out, cot)))
 
-    got, want = run("cutlass"), run("reference")
-    for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out"), got, want):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        np.testing.assert_allclose(g, r, rtol=2 ** -6, atol=2 ** -6 * (1 + np.abs(r).max()),
-                                   err_msg=name)
+    want = run("reference")
+    for variant in ("cutlass", "cutlass keep u"):
+        for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out"), run(variant),
+                              want):
+            g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+            np.testing.assert_allclose(g, r, rtol=2 ** -6, atol=2 ** -6 * (1 + np.abs(r).max()),
+                                       err_msg=f"{variant}: {name}")
 
 
 def test_layer_user_experts_and_handle(sharded, n, rng):
