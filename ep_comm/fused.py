@@ -88,9 +88,9 @@ def fused_experts(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, ker
     group ``g`` (``(C, H)``, zero past the groups); ``recv_pos`` ``(R, K)`` (each received row's
     pairs, ``C`` for none) is what the gather's transpose sums over. ``keep_u``: the backward
     reads the up projection's output kept from the forward instead of recomputing it."""
-    fwd = functools.partial(_forward(kernel), zero_tail=False)
-    h = fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
-    return fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
+    # (without a gradient nothing is kept: u is not written)
+    return _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel,
+                      False)[0]
 
 
 def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel, keep_u):

@@ -255,7 +255,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
-        label = ("moe_layer fused path, u kept (cutlass)" if impl == KEEP_U
+        label = ("moe_layer grouped_matmul=cutlass, u kept" if impl == KEEP_U
                  else f"moe_layer grouped_matmul={impl}")
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
