@@ -67,9 +67,10 @@ def runs_fused(implementation, config: EPConfig, chunks, dtype, w_in, w_out,
                api: str = "moe_layer") -> bool:
     """Whether :func:`ep_comm.moe_layer` runs its SwiGLU experts ``w_in``, ``w_out`` here: one
     chunk (``chunks``; ``config`` the chunk's) in one round (dropless), no FP8 wire, and
-    ``implementation`` meaning ``"cutlass"`` for every pass of both GEMMs
-    (:func:`ep_comm.gemm.pass_implementations`, which raises for a ``"cutlass"`` the operands
-    cannot take)."""
+    ``implementation`` meaning ``"cutlass"`` for every pass of both GEMMs: ``"cutlass"``, or
+    ``"auto"`` where it means ``"cutlass"`` (:func:`ep_comm.gemm.pass_implementations`, which
+    raises for a ``"cutlass"`` the operands cannot take, and notes once why ``"auto"`` falls
+    back)."""
     if not (config.is_dropless and chunks == 1 and config.wire_format is None
             and isinstance(implementation, str) and implementation in ("auto", "cutlass")):
         return False

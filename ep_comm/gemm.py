@@ -21,10 +21,12 @@ a GEMM whose contracting dimension is ragged). Implementations:
 - ``"cutlass"``: ep_comm's own grouped GEMM on Hopper (:mod:`collectives.grouped_gemm`: CUTLASS
   3.x pointer-array kernels, sm_90a, built when the ``nvidia-cutlass`` headers are present),
   bf16/f16 with K and N multiples of 8, every pass in the layout it is given (``dlhs`` reads ``w``
-  K-major in place, ``drhs`` reads ``x`` M-major in place: no transposes). Not yet the default:
-  it has not run on an H200 (``scripts/gpu_check.sh``'s ``gemm`` step).
-- ``"auto"`` (default): ``"tokamax"`` on a GPU backend when tokamax's kernel imports and the
-  dtypes are 16-bit, else ``"xla"``. On TPUs ``"auto"`` is ``"xla"``: on a v5e XLA:TPU's own
+  K-major in place, ``drhs`` reads ``x`` M-major in place: no transposes).
+- ``"auto"`` (default): on a Hopper GPU with 16-bit dtypes, ``"cutlass"`` for each pass whose
+  operands its kernel takes; elsewhere on a GPU backend with 16-bit dtypes ``"tokamax"`` when
+  its kernel imports, else ``"xla"``. Where a GPU with 16-bit dtypes falls back from
+  ``"cutlass"`` (not Hopper, the module not built, a shape it does not take), ep_comm's logger
+  says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a v5e XLA:TPU's own
   ragged dot ran the layer 6.6x faster than tokamax 0.0.12's Mosaic TPU kernel with its
   untuned heuristics (``docs/bench/tpu_v5e/layer_tokamax.txt`` against ``layer_ragged_dot.txt``:
   forward 6387 against 42251 us at T=4096, H=2048, I=1024, top-8 of 32), so that kernel is
@@ -34,6 +36,7 @@ a GEMM whose contracting dimension is ragged). Implementations:
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from typing import Any
 
@@ -128,6 +131,12 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
                          f"got {implementation!r}")
     sixteen_bit = _sixteen_bit(dtype)
     if implementation == "auto":
+        if jax.default_backend() == "gpu" and sixteen_bit:
+            why = grouped_gemm.available()
+            if why is None:
+                return "cutlass"  # (each pass's shapes: pass_implementations)
+            note_once(f"ep_comm: implementation='auto' does not run ep_comm's CUTLASS grouped "
+                      f"GEMM here ({why}); it runs {_fallback(dtype)!r}")
         return _fallback(dtype)
     if implementation == "cutlass":
         why = grouped_gemm.available()
@@ -148,11 +157,21 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
 
 
 def _fallback(dtype) -> str:
-    """What ``"auto"`` runs: tokamax on a GPU backend with 16-bit dtypes where it imports, else
-    XLA's ragged dot (on TPUs too, measured faster than tokamax's kernel there: module
-    docstring)."""
+    """What ``"auto"`` runs where the CUTLASS kernel does not: tokamax on a GPU backend with
+    16-bit dtypes where it imports, else XLA's ragged dot (on TPUs too, measured faster than
+    tokamax's kernel there: module docstring)."""
     gpu = jax.default_backend() == "gpu"
     return "tokamax" if gpu and _sixteen_bit(dtype) and tokamax_available() else "xla"
+
+
+_noted: set[str] = set()
+
+
+def note_once(message: str) -> None:
+    """``message`` on ep_comm's logger (WARNING), once per process."""
+    if message not in _noted:
+        _noted.add(message)
+        logging.getLogger("ep_comm").warning(message)
 
 
 def _sixteen_bit(dtype) -> bool:
@@ -260,7 +279,7 @@ def pass_implementations(implementation, x, w, out_dtype=None, api: str = "group
         choice = [implementation.get(p, "auto") for p in PASSES]
     else:
         choice = [implementation] * len(PASSES)
-    impls = tuple(resolve(c, x.dtype, api) for c in choice)
+    impls = [resolve(c, x.dtype, api) for c in choice]
     if "tokamax" in impls and _tpu_too_small(x, w):  # (only when named: auto is xla on TPU)
         raise ValueError(f"{api}: implementation='tokamax' on TPU needs every dimension of x "
                          f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
@@ -269,13 +288,18 @@ def pass_implementations(implementation, x, w, out_dtype=None, api: str = "group
         dy = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype)
         operands = {"forward": (x, w, out_dtype), "dlhs": (dy, w, x.dtype),
                     "drhs": (x, dy, x.dtype)}
-        for p, impl in zip(PASSES, impls):
+        for i, (p, impl) in enumerate(zip(PASSES, impls)):
             why = impl == "cutlass" and grouped_gemm.unsupported(p, *operands[p])
-            if why:
+            if why and choice[i] == "auto":  # the fallback, and why, once
+                impls[i] = _fallback(x.dtype)
+                note_once(f"ep_comm: implementation='auto' runs {impls[i]!r} for the {p} pass "
+                          f"of x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)}, not the "
+                          f"CUTLASS grouped GEMM: {why}")
+            elif why:
                 raise ValueError(f"{api}: implementation='cutlass' ({p}) cannot take x "
                                  f"{x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} with "
                                  f"preferred_element_type={out_dtype}: {why}")
-    return impls
+    return tuple(impls)
 
 
 def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 
 import jax
@@ -200,32 +201,61 @@ def test_grouped_matmul_rejects_bad_input():
                 "K and N to be multiples of 8, got K=4, N=5")
 
 
-def test_runs_fused_where_both_gemms_take_the_cutlass_kernel(monkeypatch):
-    """moe_layer's fused path: with ``"cutlass"`` where both SwiGLU GEMMs' operands fit the
-    kernels (a ``ValueError`` naming the operands where they do not), never with another choice.
-    (The platform is simulated: this checks the choice, not the kernels.)"""
+def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, caplog):
+    """``"auto"`` on a Hopper GPU with 16-bit dtypes: the CUTLASS kernel for every pass whose
+    operands it takes, and the fused layer where both GEMMs take it; the fallback for the others
+    with a note, once, that says why; on a GPU where the kernel does not run, the fallback and
+    why. (The platform is simulated: this checks the choice, not the kernels.)"""
     from ep_comm import fused
     monkeypatch.setattr(gemm.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(gemm, "tokamax_available", lambda: False)
     monkeypatch.setattr(gemm.grouped_gemm, "available", lambda: None)
+    monkeypatch.setattr(gemm, "_noted", set())
     bf = jnp.bfloat16
-    w_in, w_in12 = (jax.ShapeDtypeStruct((4, 16, n), bf) for n in (48, 12))
-    w_out = jax.ShapeDtypeStruct((4, 24, 16), bf)
+    x = jax.ShapeDtypeStruct((64, 16), bf)
+    w, w12 = (jax.ShapeDtypeStruct((4, 16, n), bf) for n in (24, 12))
+    w_in, w_out, w_out12 = (jax.ShapeDtypeStruct(s, bf)
+                            for s in ((4, 16, 48), (4, 24, 16), (4, 12, 16)))
     cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=2, num_experts=8, topk=2,
                            tokens_per_rank=16, capacity_factor=None)
-    rows = f"x bfloat16 ({cfg.expert_rows}, 16)"
-    assert fused.runs_fused("cutlass", cfg, 1, bf, w_in, w_out)
-    assert not fused.runs_fused("cutlass", cfg, 2, bf, w_in, w_out)  # chunks
-    assert not fused.runs_fused("auto", cfg, 1, bf, w_in, w_out)
-    assert not fused.runs_fused({"forward": "cutlass"}, cfg, 1, bf, w_in, w_out)
-    for other in (dict(recv_capacity=32), dict(wire_format="e4m3")):
-        assert not fused.runs_fused("cutlass", dataclasses.replace(cfg, **other), 1, bf, w_in,
-                                    w_out), other
-    with pytest.raises(ValueError, match=re.escape(
-            f"moe_layer: implementation='cutlass' (forward) cannot take {rows} and w "
-            f"(4, 16, 12) with preferred_element_type=bfloat16: the kernel needs K and N to be "
-            f"multiples of 8, got K=16, N=12")):
-        fused.runs_fused("cutlass", cfg, 1, bf, w_in12, jax.ShapeDtypeStruct((4, 6, 16), bf))
+    rows = cfg.expert_rows
+    with caplog.at_level(logging.WARNING, logger="ep_comm"):
+        assert gemm.pass_implementations("auto", x, w) == ("cutlass",) * 3
+        assert gemm.pass_implementations({"drhs": "xla"}, x, w) == ("cutlass", "cutlass", "xla")
+        f32 = jax.ShapeDtypeStruct((64, 16), jnp.float32)
+        assert gemm.pass_implementations("auto", f32, f32) == ("xla",) * 3
+        assert not caplog.records
+        for _ in range(2):  # the second time: no note
+            assert gemm.pass_implementations("auto", x, w12) == ("xla",) * 3
+        for impl in ("auto", "cutlass"):
+            assert fused.runs_fused(impl, cfg, 1, bf, w_in, w_out)
+            assert not fused.runs_fused(impl, cfg, 2, bf, w_in, w_out)  # chunks
+            for other in (dict(recv_capacity=32), dict(wire_format="e4m3")):
+                assert not fused.runs_fused(impl, dataclasses.replace(cfg, **other), 1, bf,
+                                            w_in, w_out), other
+        assert not fused.runs_fused({"forward": "cutlass"}, cfg, 1, bf, w_in, w_out)
+        assert not fused.runs_fused("auto", cfg, 1, bf, w_in, w_out12)  # w_out's K=12: noted
+        with pytest.raises(ValueError, match=re.escape(
+                f"moe_layer: implementation='cutlass' (forward) cannot take x bfloat16 "
+                f"({rows}, 16) and w (4, 16, 12) with preferred_element_type=bfloat16: the kernel "
+                f"needs K and N to be multiples of 8, got K=16, N=12")):
+            fused.runs_fused("cutlass", cfg, 1, bf, w12, jax.ShapeDtypeStruct((4, 6, 16), bf))
+    why = "the kernel needs K and N to be multiples of 8, got K=16, N=12"
+    want = [f"ep_comm: implementation='auto' runs 'xla' for the {p} pass of x bfloat16 (64, 16) "
+            f"and w (4, 16, 12), not the CUTLASS grouped GEMM: {why}" for p in gemm.PASSES]
+    want += [f"ep_comm: implementation='auto' runs 'xla' for the {p} pass of x bfloat16 "
+             f"({rows}, 12) and w (4, 12, 16), not the CUTLASS grouped GEMM: the kernel needs K "
+             f"and N to be multiples of 8, got K=12, N=16" for p in gemm.PASSES]
+    assert [r.getMessage() for r in caplog.records] == want
+    caplog.clear()
+    why = "its kernels are sm_90a (Hopper), and this GPU's compute capability is 8.0"
+    monkeypatch.setattr(gemm.grouped_gemm, "available", lambda: why)
+    with caplog.at_level(logging.WARNING, logger="ep_comm"):
+        for _ in range(2):
+            assert gemm.pass_implementations("auto", x, w) == ("xla",) * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ep_comm: implementation='auto' does not run ep_comm's CUTLASS grouped GEMM here "
+        f"({why}); it runs 'xla'"]
 
 
 def test_grouped_gemm_rules():
