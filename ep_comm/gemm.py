@@ -22,11 +22,13 @@ a GEMM whose contracting dimension is ragged). Implementations:
   3.x pointer-array kernels, sm_90a, built when the ``nvidia-cutlass`` headers are present),
   bf16/f16 with K and N multiples of 8, every pass in the layout it is given (``dlhs`` reads ``w``
   K-major in place, ``drhs`` reads ``x`` M-major in place: no transposes).
-- ``"auto"`` (default): on a Hopper GPU with 16-bit dtypes, ``"cutlass"`` for each pass whose
-  operands its kernel takes; elsewhere on a GPU backend with 16-bit dtypes ``"tokamax"`` when
-  its kernel imports, else ``"xla"``. Where a GPU with 16-bit dtypes falls back from
-  ``"cutlass"`` (not Hopper, the module not built, a shape it does not take), ep_comm's logger
-  says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a v5e XLA:TPU's own
+- ``"auto"`` (default): with ``EP_COMM_AUTO_CUTLASS=1``, on a Hopper GPU with 16-bit dtypes,
+  ``"cutlass"`` for each pass whose operands its kernel takes (an opt-in until the kernels have
+  passed ``scripts/gpu_check.sh``'s ``gemm`` step on an H200: no H200 was lent to the sessions
+  that wrote them; then it becomes the default); otherwise on a GPU backend with 16-bit dtypes
+  ``"tokamax"`` when its kernel imports, else ``"xla"``. Where a GPU with 16-bit dtypes and the
+  opt-in falls back from ``"cutlass"`` (not Hopper, the module not built, a shape it does not
+  take), ep_comm's logger says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a v5e XLA:TPU's own
   ragged dot ran the layer 6.6x faster than tokamax 0.0.12's Mosaic TPU kernel with its
   untuned heuristics (``docs/bench/tpu_v5e/layer_tokamax.txt`` against ``layer_ragged_dot.txt``:
   forward 6387 against 42251 us at T=4096, H=2048, I=1024, top-8 of 32), so that kernel is
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from typing import Any
 
@@ -131,7 +134,7 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
                          f"got {implementation!r}")
     sixteen_bit = _sixteen_bit(dtype)
     if implementation == "auto":
-        if jax.default_backend() == "gpu" and sixteen_bit:
+        if jax.default_backend() == "gpu" and sixteen_bit and auto_cutlass():
             why = grouped_gemm.available()
             if why is None:
                 return "cutlass"  # (each pass's shapes: pass_implementations)
@@ -154,6 +157,15 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
             raise ValueError(f"{api}: implementation='tokamax' takes bfloat16 or float16 "
                              f"inputs, got {jnp.dtype(dtype).name}")
     return implementation
+
+
+def auto_cutlass() -> bool:
+    """Whether ``"auto"`` may pick the CUTLASS kernel: ``EP_COMM_AUTO_CUTLASS=1`` (read at each
+    call; module docstring)."""
+    flag = os.environ.get("EP_COMM_AUTO_CUTLASS", "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"EP_COMM_AUTO_CUTLASS must be 0 or 1, got {flag!r}")
+    return flag == "1"
 
 
 def _fallback(dtype) -> str:

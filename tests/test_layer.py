@@ -202,10 +202,11 @@ def test_grouped_matmul_rejects_bad_input():
 
 
 def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, caplog):
-    """``"auto"`` on a Hopper GPU with 16-bit dtypes: the CUTLASS kernel for every pass whose
-    operands it takes, and the fused layer where both GEMMs take it; the fallback for the others
-    with a note, once, that says why; on a GPU where the kernel does not run, the fallback and
-    why. (The platform is simulated: this checks the choice, not the kernels.)"""
+    """``"auto"`` on a Hopper GPU with 16-bit dtypes and ``EP_COMM_AUTO_CUTLASS=1``: the CUTLASS
+    kernel for every pass whose operands it takes, and the fused layer where both GEMMs take it;
+    the fallback for the others with a note, once, that says why; on a GPU where the kernel does
+    not run, the fallback and why. Without the opt-in: the fallback, silently. (The platform is
+    simulated: this checks the choice, not the kernels.)"""
     from ep_comm import fused
     monkeypatch.setattr(gemm.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(gemm, "tokamax_available", lambda: False)
@@ -219,6 +220,17 @@ def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, c
     cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=2, num_experts=8, topk=2,
                            tokens_per_rank=16, capacity_factor=None)
     rows = cfg.expert_rows
+    monkeypatch.delenv("EP_COMM_AUTO_CUTLASS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="ep_comm"):
+        assert gemm.pass_implementations("auto", x, w) == ("xla",) * 3
+        assert not fused.runs_fused("auto", cfg, 1, bf, w_in, w_out)
+        assert fused.runs_fused("cutlass", cfg, 1, bf, w_in, w_out)
+    assert not caplog.records
+    monkeypatch.setenv("EP_COMM_AUTO_CUTLASS", "yes")
+    with pytest.raises(ValueError, match=re.escape(
+            "EP_COMM_AUTO_CUTLASS must be 0 or 1, got 'yes'")):
+        gemm.pass_implementations("auto", x, w)
+    monkeypatch.setenv("EP_COMM_AUTO_CUTLASS", "1")
     with caplog.at_level(logging.WARNING, logger="ep_comm"):
         assert gemm.pass_implementations("auto", x, w) == ("cutlass",) * 3
         assert gemm.pass_implementations({"drhs": "xla"}, x, w) == ("cutlass", "cutlass", "xla")
