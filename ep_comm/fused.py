@@ -19,8 +19,9 @@ router weight and SwiGLU's derivative in its epilogue and yields the router weig
 :func:`collectives.grouped_gemm.dswiglu_dlhs`); then it runs the grouped ``dlhs``/``drhs``
 passes (no transposes; ``w_in``'s gradient reads the pairs' rows by the same gather,
 :func:`collectives.grouped_gemm.gathered_drhs`) and the gather's transpose as a sum over each
-received row's pairs in ``k`` order (deterministic, no atomics). ``kernel="reference"`` runs the same path with the plain-JAX reference of the fused
-kernel and ``lax.ragged_dot`` passes: how the CPU tests check it against the unfused layer.
+received row's pairs in ``k`` order (deterministic, no atomics). ``kernel="reference"`` runs
+the same path with the plain-JAX reference of the fused kernel and ``lax.ragged_dot`` passes:
+how the CPU tests check it against the unfused layer.
 """
 
 from __future__ import annotations

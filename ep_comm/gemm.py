@@ -28,11 +28,11 @@ a GEMM whose contracting dimension is ragged). Implementations:
   that wrote them; then it becomes the default); otherwise on a GPU backend with 16-bit dtypes
   ``"tokamax"`` when its kernel imports, else ``"xla"``. Where a GPU with 16-bit dtypes and the
   opt-in falls back from ``"cutlass"`` (not Hopper, the module not built, a shape it does not
-  take), ep_comm's logger says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a v5e XLA:TPU's own
-  ragged dot ran the layer 6.6x faster than tokamax 0.0.12's Mosaic TPU kernel with its
-  untuned heuristics (``docs/bench/tpu_v5e/layer_tokamax.txt`` against ``layer_ragged_dot.txt``:
-  forward 6387 against 42251 us at T=4096, H=2048, I=1024, top-8 of 32), so that kernel is
-  there only when named.
+  take), ep_comm's logger says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a
+  v5e XLA:TPU's own ragged dot ran the layer 6.6x faster than tokamax 0.0.12's Mosaic TPU
+  kernel with its untuned heuristics (``docs/bench/tpu_v5e/layer_tokamax.txt`` against
+  ``layer_ragged_dot.txt``: forward 6387 against 42251 us at T=4096, H=2048, I=1024, top-8 of
+  32), so that kernel is there only when named.
 """
 
 from __future__ import annotations

@@ -120,9 +120,10 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         SwiGLU, applied densely to every token and added).
       implementation: :func:`ep_comm.grouped_matmul`'s choice for the SwiGLU experts. With
         ``"cutlass"`` (what ``"auto"`` is with ``EP_COMM_AUTO_CUTLASS=1`` on Hopper for 16-bit
-        dtypes and the shapes its kernels take), one chunk in one round and no FP8 wire, the experts run fused
-        (:mod:`ep_comm.fused`: the up projection gathers the received rows and applies SwiGLU,
-        the down projection the router weights, so ``expert_x`` and ``u`` are never written).
+        dtypes and the shapes its kernels take), one chunk in one round and no FP8 wire, the
+        experts run fused (:mod:`ep_comm.fused`: the up projection gathers the received rows and
+        applies SwiGLU, the down projection the router weights, so ``expert_x`` and ``u`` are
+        never written).
       return_handle: also return dispatch's handle (a :class:`MoEOutput`).
 
     Returns:
