@@ -168,9 +168,19 @@ def _wrong(out, ref, dtype, k):
     return int(np.sum(np.abs(out - ref) > tol))
 
 
-# --implementation's extra row: the fused path keeping u (the up projection's output) for the
-# backward instead of recomputing it (ep_comm.fused), to measure the two against each other
+# --implementation's extra rows: the fused path keeping u (the up projection's output) for the
+# backward instead of recomputing it (ep_comm.fused), to measure the two against each other; and
+# the CUTLASS kernel for every pass of the unfused layer (expert_x and u written, SwiGLU in XLA,
+# the router weights in combine), to measure the fused path against
 KEEP_U = "cutlass-keep-u"
+UNFUSED = "cutlass-unfused"
+
+
+def _layer_implementation(impl):
+    """moe_layer's ``implementation`` for a ``--implementation`` entry: ``cutlass-unfused`` is
+    the CUTLASS kernel named per pass (a dict: moe_layer's fused path takes the plain name only),
+    the rest as named."""
+    return {p: "cutlass" for p in gm.PASSES} if impl == UNFUSED else impl
 
 
 def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
@@ -199,7 +209,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         def f(x, ids, w, wi, wo):
             if impl == KEEP_U:
                 return fused_moe(x, ids, w, cfg, wi, wo, keep_u=True)[0]
-            return ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, implementation=impl)
+            return ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo,
+                                     implementation=_layer_implementation(impl))
         fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
         def loss(x, w, wi, wo, ids):
@@ -244,22 +255,25 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     del ex, handle
     gpu = jax.default_backend() == "gpu"
     variants = [(impl, True) for impl in implementation.split(",")]  # e.g. "cutlass,tokamax"
-    gemm_of = lambda impl: gm.resolve("cutlass" if impl == KEEP_U else impl, dtype)  # noqa: E731
+    gemm_of = lambda impl: gm.resolve(  # noqa: E731
+        "cutlass" if impl in (KEEP_U, UNFUSED) else impl, dtype)
     if with_xla and all(gemm_of(impl) != "xla" for impl, _ in variants):
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
-        if n == 1 and fits and impl != KEEP_U:  # plain JAX with the same GEMM kernel (one rank:
+        if n == 1 and fits and impl not in (KEEP_U, UNFUSED):  # plain JAX, the same GEMM kernel
             kind = gm.resolve(impl, dtype)      # every expert here)
             gemm = (jax.lax.ragged_dot if kind == "xla" else functools.partial(
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
         label = ("moe_layer grouped_matmul=cutlass, u kept" if impl == KEEP_U
+                 else "moe_layer grouped_matmul=cutlass per pass (unfused)" if impl == UNFUSED
                  else f"moe_layer grouped_matmul={impl}")
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
-        if impl == KEEP_U or runs_fused(impl, cfg, cfg.num_chunks, dtype, wis, wos):
+        if impl == KEEP_U or runs_fused(_layer_implementation(impl), cfg, cfg.num_chunks, dtype,
+                                        wis, wos):
             label += " (fused)"  # moe_layer's fused path (ep_comm.fused)
         if not fits:
             results.append(dict(impl=label, pass_="forward", skipped="dense mask too large"))
@@ -673,9 +687,12 @@ def main(argv=None):
                     help="run the layer with the fastest tokamax config per pass of the sweep")
     ap.add_argument("--implementation", default="auto",
                     help="grouped_matmul's, for the layer: comma-separated, e.g. "
-                         f"cutlass,tokamax; {KEEP_U}: the fused path keeping u for the backward")
+                         f"cutlass,tokamax; {KEEP_U}: the fused path keeping u for the backward; "
+                         f"{UNFUSED}: the CUTLASS kernel per pass of the unfused layer")
     ap.add_argument("--xla-max-gib", type=float, default=40.0,
                     help="skip lax.ragged_dot on GPU when its dense mask exceeds this")
+    ap.add_argument("--no-tile-sweep", action="store_true",
+                    help="the GEMM part without its tokamax tile configs (defaults only)")
     ap.add_argument("--no-xla", action="store_true",
                     help="leave lax.ragged_dot out of the layer comparison")
     ap.add_argument("--warmup", type=int, default=2)
@@ -694,7 +711,8 @@ def main(argv=None):
         if "gemm" in parts:
             rows = args.tokens * args.topk  # the (token, expert) rows one rank gets, balanced
             res, best = gemm_sweep(rows, args.hidden, args.intermediate, E // n, dtype,
-                                   args.warmup, args.iters, CANDIDATES,
+                                   args.warmup, args.iters,
+                                   {} if args.no_tile_sweep else CANDIDATES,
                                    log=lambda s: print(s, flush=True))
             if args.tune:
                 gm.TOKAMAX_CONFIGS.update(best)
