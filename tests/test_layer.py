@@ -526,7 +526,9 @@ def layer_config(n, **kw):
                             tokens_per_rank=T, **kw)
 
 
-def layer_inputs(rng, n, kind):
+def layer_inputs(rng, n, kind, H=H, I=I):
+    """The layer's inputs (hidden ``H`` and SwiGLU width ``I``: the module's, or multiples of 8
+    where the CUTLASS kernel runs)."""
     E = 4 * n
     x = rng.standard_normal((n * T, H)).astype(np.float32)
     ids = routing(rng, kind, n, T, K, E)
@@ -651,7 +653,8 @@ def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
     the same with the up projection kept for the backward (``keep_u``)."""
     from jax.sharding import PartitionSpec as P
     from ep_comm import fused
-    x, ids, w, w_in, w_out, _, _, cot = layer_inputs(rng, n, "one_rank")
+    # (H and I multiples of 8, as the kernel takes them; each narrower than one tile)
+    x, ids, w, w_in, w_out, _, _, cot = layer_inputs(rng, n, "one_rank", H=16, I=24)
     bf = lambda *a: [jnp.asarray(v, jnp.bfloat16) for v in a]  # noqa: E731
     x, w_in, w_out, cot = bf(x, w_in, w_out, cot)
     cfg = layer_config(n, capacity_factor=None)
