@@ -1,8 +1,8 @@
 """The MoE layer's fused path: the SwiGLU experts' GEMMs read the exchange's buffer directly.
 
-:func:`moe_layer` with ``implementation="cutlass"`` runs its SwiGLU experts here (one chunk, one
-round, no FP8 wire): dispatch stops at the receive buffer and the row of it each (token, local
-expert) pair reads (``materialize=False``), so ``expert_x`` is never written;
+:func:`moe_layer` with ``implementation="cutlass-fused"`` (:data:`FUSED`) runs its SwiGLU experts
+here (one chunk, one round, no FP8 wire): dispatch stops at the receive buffer and the row of it
+each (token, local expert) pair reads (``materialize=False``), so ``expert_x`` is never written;
 
 - the up projection gathers those rows in its prologue and writes ``h = silu(gate) * up``
   (``u``, 2I wide, is never written);
@@ -41,6 +41,10 @@ from ep_comm.routes import drive
 from ep_comm.rows import gather_sum
 
 KERNELS = ("cutlass", "reference")
+# moe_layer's implementation for this path: a choice of its own, not "auto"'s, because on an
+# H200 the fused kernels (cp.async gather mainloop, one tile per CTA) ran slower than the
+# unfused layer with the CUTLASS kernel per pass (docs/performance.md); what it saves is memory
+FUSED = "cutlass-fused"
 
 
 def _forward(kernel: str):
@@ -66,21 +70,28 @@ def _passes(kernel: str):
 
 def runs_fused(implementation, config: EPConfig, chunks, dtype, w_in, w_out,
                api: str = "moe_layer") -> bool:
-    """Whether :func:`ep_comm.moe_layer` runs its SwiGLU experts ``w_in``, ``w_out`` here: one
-    chunk (``chunks``; ``config`` the chunk's) in one round (dropless), no FP8 wire, and
-    ``implementation`` meaning ``"cutlass"`` for every pass of both GEMMs: ``"cutlass"``, or
-    ``"auto"`` where it means ``"cutlass"`` (:func:`ep_comm.gemm.pass_implementations`, which
-    raises for a ``"cutlass"`` the operands cannot take, and notes once why ``"auto"`` falls
-    back)."""
-    if not (config.is_dropless and chunks == 1 and config.wire_format is None
-            and isinstance(implementation, str) and implementation in ("auto", "cutlass")):
+    """Whether :func:`ep_comm.moe_layer` runs its SwiGLU experts ``w_in``, ``w_out`` here: when
+    ``implementation`` is :data:`FUSED`. Then it checks that the layer is one chunk
+    (``chunks``; ``config`` the chunk's) in one round (dropless) without an FP8 wire, and that
+    both GEMMs' operands are what the CUTLASS kernel takes (in ``dtype``, where it runs), and
+    raises ``ValueError`` naming what does not fit."""
+    if not (isinstance(implementation, str) and implementation == FUSED):
         return False
+    where = f"{api}: implementation={FUSED!r}"
+    if not config.is_dropless or chunks != 1 or config.wire_format is not None:
+        raise ValueError(
+            f"{where} runs the layer as one chunk in one round without an FP8 wire "
+            f"(num_chunks=1, capacity_factor=None or a recv_capacity of the worst case, "
+            f"wire_format=None), got {chunks} chunk(s), expert_rows={config.expert_rows} of "
+            f"worst case {config.worst_case_rows}, wire_format={config.wire_format!r}")
     rows = config.expert_rows
     x_like = jax.ShapeDtypeStruct((rows, w_in.shape[1]), dtype)
     h_like = jax.ShapeDtypeStruct((rows, w_out.shape[1]), dtype)
-    impls = (pass_implementations(implementation, x_like, w_in, api=api)
-             + pass_implementations(implementation, h_like, w_out, api=api))
-    return all(i == "cutlass" for i in impls)
+    # (raises for operands the kernel does not take, or where it does not run; the down
+    # projection's K = I a multiple of 8 is what the fused SwiGLU epilogue needs too)
+    pass_implementations("cutlass", x_like, w_in, api=where)
+    pass_implementations("cutlass", h_like, w_out, api=where)
+    return True
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

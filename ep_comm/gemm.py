@@ -22,13 +22,13 @@ a GEMM whose contracting dimension is ragged). Implementations:
   3.x pointer-array kernels, sm_90a, built when the ``nvidia-cutlass`` headers are present),
   bf16/f16 with K and N multiples of 8, every pass in the layout it is given (``dlhs`` reads ``w``
   K-major in place, ``drhs`` reads ``x`` M-major in place: no transposes).
-- ``"auto"`` (default): with ``EP_COMM_AUTO_CUTLASS=1``, on a Hopper GPU with 16-bit dtypes,
-  ``"cutlass"`` for each pass whose operands its kernel takes (an opt-in until the kernels have
-  passed ``scripts/gpu_check.sh``'s ``gemm`` step on an H200: no H200 was lent to the sessions
-  that wrote them; then it becomes the default); otherwise on a GPU backend with 16-bit dtypes
-  ``"tokamax"`` when its kernel imports, else ``"xla"``. Where a GPU with 16-bit dtypes and the
-  opt-in falls back from ``"cutlass"`` (not Hopper, the module not built, a shape it does not
-  take), ep_comm's logger says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a
+- ``"auto"`` (default): on a Hopper GPU with 16-bit dtypes, ``"cutlass"`` for each pass whose
+  operands its kernel takes (on an H200 at the DeepSeek-V3 EP8 rank shape its forward and dlhs
+  ran at 1.09x the dense einsum of the same FLOPs, tokamax's at 1.12x and 1.71x:
+  ``docs/performance.md``; ``EP_COMM_AUTO_CUTLASS=0`` opts out); otherwise on a GPU backend
+  with 16-bit dtypes ``"tokamax"`` when its kernel imports, else ``"xla"``. Where a GPU with
+  16-bit dtypes falls back from ``"cutlass"`` (not Hopper, the module not built, a shape it does
+  not take), ep_comm's logger says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a
   v5e XLA:TPU's own ragged dot ran the layer 6.6x faster than tokamax 0.0.12's Mosaic TPU
   kernel with its untuned heuristics (``docs/bench/tpu_v5e/layer_tokamax.txt`` against
   ``layer_ragged_dot.txt``: forward 6387 against 42251 us at T=4096, H=2048, I=1024, top-8 of
@@ -160,9 +160,9 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
 
 
 def auto_cutlass() -> bool:
-    """Whether ``"auto"`` may pick the CUTLASS kernel: ``EP_COMM_AUTO_CUTLASS=1`` (read at each
-    call; module docstring)."""
-    flag = os.environ.get("EP_COMM_AUTO_CUTLASS", "0")
+    """Whether ``"auto"`` may pick the CUTLASS kernel: unless ``EP_COMM_AUTO_CUTLASS=0`` (read
+    at each call; module docstring)."""
+    flag = os.environ.get("EP_COMM_AUTO_CUTLASS", "1")
     if flag not in ("0", "1"):
         raise ValueError(f"EP_COMM_AUTO_CUTLASS must be 0 or 1, got {flag!r}")
     return flag == "1"

@@ -118,12 +118,12 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         :func:`ep_comm.grouped_matmul` is the GEMM to build it from.
       shared_w_in, shared_w_out: optional shared expert (``(H, 2 * I_s)`` and ``(I_s, H)``,
         SwiGLU, applied densely to every token and added).
-      implementation: :func:`ep_comm.grouped_matmul`'s choice for the SwiGLU experts. With
-        ``"cutlass"`` (what ``"auto"`` is with ``EP_COMM_AUTO_CUTLASS=1`` on Hopper for 16-bit
-        dtypes and the shapes its kernels take), one chunk in one round and no FP8 wire, the
-        experts run fused (:mod:`ep_comm.fused`: the up projection gathers the received rows and
-        applies SwiGLU, the down projection the router weights, so ``expert_x`` and ``u`` are
-        never written).
+      implementation: :func:`ep_comm.grouped_matmul`'s choice for the SwiGLU experts (a name
+        or a dict per pass), or ``"cutlass-fused"``: the experts fused with the exchange
+        (:mod:`ep_comm.fused`: the up projection gathers the received rows and applies SwiGLU,
+        the down projection the router weights, so ``expert_x`` and ``u`` are never written),
+        for one chunk in one round without an FP8 wire on Hopper; less memory, but slower on
+        an H200 than ``"auto"`` (which is ``"cutlass"`` per pass there).
       return_handle: also return dispatch's handle (a :class:`MoEOutput`).
 
     Returns:

@@ -41,7 +41,7 @@ from collectives.timing import emit, hardware, median_us, pipelined_us, trace_ke
 from ep_comm import baselines
 from ep_comm import gemm as gm
 from ep_comm import pipeline
-from ep_comm.fused import fused_moe, runs_fused
+from ep_comm.fused import FUSED, fused_moe
 
 # tile configs tried per pass (tokamax Mosaic GPU, Hopper); grid_minor_dim 0 = M, 1 = N. The
 # weight-gradient kernel (drhs) runs a plain (M/bm, N/bn, groups) grid: persistence and grid order
@@ -168,19 +168,10 @@ def _wrong(out, ref, dtype, k):
     return int(np.sum(np.abs(out - ref) > tol))
 
 
-# --implementation's extra rows: the fused path keeping u (the up projection's output) for the
-# backward instead of recomputing it (ep_comm.fused), to measure the two against each other; and
-# the CUTLASS kernel for every pass of the unfused layer (expert_x and u written, SwiGLU in XLA,
-# the router weights in combine), to measure the fused path against
+# --implementation's extra row: the fused path keeping u (the up projection's output) for the
+# backward instead of recomputing it (ep_comm.fused), to measure the two against each other
+# (FUSED, "cutlass-fused", is moe_layer's own name for the fused path)
 KEEP_U = "cutlass-keep-u"
-UNFUSED = "cutlass-unfused"
-
-
-def _layer_implementation(impl):
-    """moe_layer's ``implementation`` for a ``--implementation`` entry: ``cutlass-unfused`` is
-    the CUTLASS kernel named per pass (a dict: moe_layer's fused path takes the plain name only),
-    the rest as named."""
-    return {p: "cutlass" for p in gm.PASSES} if impl == UNFUSED else impl
 
 
 def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
@@ -209,8 +200,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         def f(x, ids, w, wi, wo):
             if impl == KEEP_U:
                 return fused_moe(x, ids, w, cfg, wi, wo, keep_u=True)[0]
-            return ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo,
-                                     implementation=_layer_implementation(impl))
+            return ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, implementation=impl)
         fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
         def loss(x, w, wi, wo, ids):
@@ -256,25 +246,22 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     gpu = jax.default_backend() == "gpu"
     variants = [(impl, True) for impl in implementation.split(",")]  # e.g. "cutlass,tokamax"
     gemm_of = lambda impl: gm.resolve(  # noqa: E731
-        "cutlass" if impl in (KEEP_U, UNFUSED) else impl, dtype)
+        "cutlass" if impl in (KEEP_U, FUSED) else impl, dtype)
     if with_xla and all(gemm_of(impl) != "xla" for impl, _ in variants):
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
-        if n == 1 and fits and impl not in (KEEP_U, UNFUSED):  # plain JAX, the same GEMM kernel
+        if n == 1 and fits and impl not in (KEEP_U, FUSED):  # plain JAX, the same GEMM kernel
             kind = gm.resolve(impl, dtype)      # every expert here)
             gemm = (jax.lax.ragged_dot if kind == "xla" else functools.partial(
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
-        label = ("moe_layer grouped_matmul=cutlass, u kept" if impl == KEEP_U
-                 else "moe_layer grouped_matmul=cutlass per pass (unfused)" if impl == UNFUSED
+        label = (f"moe_layer {FUSED}, u kept" if impl == KEEP_U  # (ep_comm.fused)
+                 else f"moe_layer {FUSED}" if impl == FUSED
                  else f"moe_layer grouped_matmul={impl}")
         if impl == "auto":
             label += f" ({gm.resolve('auto', dtype)})"
-        if impl == KEEP_U or runs_fused(_layer_implementation(impl), cfg, cfg.num_chunks, dtype,
-                                        wis, wos):
-            label += " (fused)"  # moe_layer's fused path (ep_comm.fused)
         if not fits:
             results.append(dict(impl=label, pass_="forward", skipped="dense mask too large"))
             continue
@@ -687,8 +674,8 @@ def main(argv=None):
                     help="run the layer with the fastest tokamax config per pass of the sweep")
     ap.add_argument("--implementation", default="auto",
                     help="grouped_matmul's, for the layer: comma-separated, e.g. "
-                         f"cutlass,tokamax; {KEEP_U}: the fused path keeping u for the backward; "
-                         f"{UNFUSED}: the CUTLASS kernel per pass of the unfused layer")
+                         f"cutlass,{FUSED},tokamax; {KEEP_U}: the fused path keeping u for the "
+                         f"backward")
     ap.add_argument("--xla-max-gib", type=float, default=40.0,
                     help="skip lax.ragged_dot on GPU when its dense mask exceeds this")
     ap.add_argument("--no-tile-sweep", action="store_true",

@@ -95,7 +95,6 @@ if step gemm; then
   # tokamax (the peer in the same run) as in the layer step
   install_wheels
   # implementation="auto" picks the kernel here too (an opt-in until this step has passed)
-  export EP_COMM_AUTO_CUTLASS="${EP_COMM_AUTO_CUTLASS:-1}"
   t0=$(date +%s)
   # GEMM_PREBUILT=1: the module an earlier run built and returned (carry collectives/_ep_gemm*.so)
   if [ "${GEMM_PREBUILT:-0}" = 1 ] && ls collectives/_ep_gemm*.so > /dev/null 2>&1; then
@@ -127,7 +126,7 @@ if step gemm; then
       *) echo "unknown GEMM_SHAPES entry: $shape"; continue ;;
     esac
     timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.layer_bench $args \
-      --implementation "${GEMM_IMPLS:-cutlass,tokamax}" ${GEMM_ARGS:---no-xla} \
+      --implementation "${GEMM_IMPLS:-cutlass,cutlass-fused,cutlass-keep-u,tokamax}" ${GEMM_ARGS:---no-xla} \
       --json "$OUT/layer_cutlass_$shape.json" 2>&1 | tee "$OUT/layer_cutlass_$shape.txt"
   done
 fi

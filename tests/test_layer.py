@@ -202,11 +202,12 @@ def test_grouped_matmul_rejects_bad_input():
 
 
 def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, caplog):
-    """``"auto"`` on a Hopper GPU with 16-bit dtypes and ``EP_COMM_AUTO_CUTLASS=1``: the CUTLASS
-    kernel for every pass whose operands it takes, and the fused layer where both GEMMs take it;
-    the fallback for the others with a note, once, that says why; on a GPU where the kernel does
-    not run, the fallback and why. Without the opt-in: the fallback, silently. (The platform is
-    simulated: this checks the choice, not the kernels.)"""
+    """``"auto"`` on a Hopper GPU with 16-bit dtypes: the CUTLASS kernel for every pass whose
+    operands it takes, the fallback for the others with a note, once, that says why; on a GPU
+    where the kernel does not run, the fallback and why; with ``EP_COMM_AUTO_CUTLASS=0``, the
+    fallback, silently. The layer's fused path runs only when named (``"cutlass-fused"``), and
+    says what it cannot take. (The platform is simulated: this checks the choice, not the
+    kernels.)"""
     from ep_comm import fused
     monkeypatch.setattr(gemm.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(gemm, "tokamax_available", lambda: False)
@@ -220,17 +221,15 @@ def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, c
     cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=2, num_experts=8, topk=2,
                            tokens_per_rank=16, capacity_factor=None)
     rows = cfg.expert_rows
-    monkeypatch.delenv("EP_COMM_AUTO_CUTLASS", raising=False)
+    monkeypatch.setenv("EP_COMM_AUTO_CUTLASS", "0")
     with caplog.at_level(logging.WARNING, logger="ep_comm"):
         assert gemm.pass_implementations("auto", x, w) == ("xla",) * 3
-        assert not fused.runs_fused("auto", cfg, 1, bf, w_in, w_out)
-        assert fused.runs_fused("cutlass", cfg, 1, bf, w_in, w_out)
     assert not caplog.records
     monkeypatch.setenv("EP_COMM_AUTO_CUTLASS", "yes")
     with pytest.raises(ValueError, match=re.escape(
             "EP_COMM_AUTO_CUTLASS must be 0 or 1, got 'yes'")):
         gemm.pass_implementations("auto", x, w)
-    monkeypatch.setenv("EP_COMM_AUTO_CUTLASS", "1")
+    monkeypatch.delenv("EP_COMM_AUTO_CUTLASS")
     with caplog.at_level(logging.WARNING, logger="ep_comm"):
         assert gemm.pass_implementations("auto", x, w) == ("cutlass",) * 3
         assert gemm.pass_implementations({"drhs": "xla"}, x, w) == ("cutlass", "cutlass", "xla")
@@ -239,19 +238,27 @@ def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, c
         assert not caplog.records
         for _ in range(2):  # the second time: no note
             assert gemm.pass_implementations("auto", x, w12) == ("xla",) * 3
-        for impl in ("auto", "cutlass"):
-            assert fused.runs_fused(impl, cfg, 1, bf, w_in, w_out)
-            assert not fused.runs_fused(impl, cfg, 2, bf, w_in, w_out)  # chunks
-            for other in (dict(recv_capacity=32), dict(wire_format="e4m3")):
-                assert not fused.runs_fused(impl, dataclasses.replace(cfg, **other), 1, bf,
-                                            w_in, w_out), other
-        assert not fused.runs_fused({"forward": "cutlass"}, cfg, 1, bf, w_in, w_out)
-        assert not fused.runs_fused("auto", cfg, 1, bf, w_in, w_out12)  # w_out's K=12: noted
+        for impl in ("auto", "cutlass", {"forward": "cutlass"}):  # the fused path: when named
+            assert not fused.runs_fused(impl, cfg, 1, bf, w_in, w_out)
+        assert fused.runs_fused(fused.FUSED, cfg, 1, bf, w_in, w_out)
+        for chunks, other in ((2, {}), (1, dict(recv_capacity=32)),
+                              (1, dict(wire_format="e4m3"))):
+            c = dataclasses.replace(cfg, **other)
+            with pytest.raises(ValueError, match=re.escape(
+                    f"moe_layer: implementation='cutlass-fused' runs the layer as one chunk in "
+                    f"one round without an FP8 wire (num_chunks=1, capacity_factor=None or a "
+                    f"recv_capacity of the worst case, wire_format=None), got {chunks} "
+                    f"chunk(s), expert_rows={c.expert_rows} of worst case "
+                    f"{c.worst_case_rows}, wire_format={c.wire_format!r}")):
+                fused.runs_fused(fused.FUSED, c, chunks, bf, w_in, w_out)
         with pytest.raises(ValueError, match=re.escape(
-                f"moe_layer: implementation='cutlass' (forward) cannot take x bfloat16 "
-                f"({rows}, 16) and w (4, 16, 12) with preferred_element_type=bfloat16: the kernel "
-                f"needs K and N to be multiples of 8, got K=16, N=12")):
-            fused.runs_fused("cutlass", cfg, 1, bf, w12, jax.ShapeDtypeStruct((4, 6, 16), bf))
+                f"moe_layer: implementation='cutlass-fused': implementation='cutlass' (forward) "
+                f"cannot take x bfloat16 ({rows}, 16) and w (4, 16, 12) with "
+                f"preferred_element_type=bfloat16: the kernel needs K and N to be multiples of "
+                f"8, got K=16, N=12")):
+            fused.runs_fused(fused.FUSED, cfg, 1, bf, w12, jax.ShapeDtypeStruct((4, 6, 16), bf))
+        assert gemm.pass_implementations("auto", jax.ShapeDtypeStruct((rows, 12), bf),
+                                         w_out12) == ("xla",) * 3  # w_out's K=12: noted
     why = "the kernel needs K and N to be multiples of 8, got K=16, N=12"
     want = [f"ep_comm: implementation='auto' runs 'xla' for the {p} pass of x bfloat16 (64, 16) "
             f"and w (4, 16, 12), not the CUTLASS grouped GEMM: {why}" for p in gemm.PASSES]
@@ -634,21 +641,22 @@ def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind, k
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 * (1 + np.abs(r).max()),
                                    err_msg=name)
     if kind == "masked" and grouped_gemm.available() is not None:
-        # moe_layer takes this path with implementation="cutlass", which says where it runs
+        # moe_layer takes this path with implementation="cutlass-fused", which says where it
+        # runs
         def layer(x, ids, w, w_in, w_out):
             return ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
-                                     implementation="cutlass")
+                                     implementation="cutlass-fused")
         from jax.sharding import PartitionSpec as P
         with pytest.raises(ValueError, match=re.escape(
-                "moe_layer: implementation='cutlass' does not run here: "
-                + grouped_gemm.available())):
+                "moe_layer: implementation='cutlass-fused': implementation='cutlass' does not "
+                "run here: " + grouped_gemm.available())):
             jax.jit(jax.shard_map(layer, mesh=sharded.mesh, in_specs=(P("ep"),) * 5,
                                   out_specs=P("ep")))(*sharded.put(x, ids, w, w_in, w_out))
 
 
 @CUTLASS
 def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
-    """moe_layer(implementation="cutlass") runs the fused path on Hopper: the fused kernels'
+    """moe_layer(implementation="cutlass-fused") runs the fused path on Hopper: the fused kernels'
     values and gradients against the same path with the kernels' plain-JAX reference, bf16; and
     the same with the up projection kept for the backward (``keep_u``)."""
     from jax.sharding import PartitionSpec as P
@@ -664,7 +672,7 @@ def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
             def loss(x, w, w_in, w_out):
                 if kernel == "cutlass" and not keep_u:
                     y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
-                                          implementation="cutlass")
+                                          implementation="cutlass-fused")
                 else:
                     y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel=kernel,
                                         keep_u=keep_u)[0]
