@@ -94,7 +94,6 @@ if step gemm; then
   # CUTLASS's headers travel as the nvidia-cutlass wheel in .whl/ (carry it; ../shared/NOTES.md),
   # tokamax (the peer in the same run) as in the layer step
   install_wheels
-  # implementation="auto" picks the kernel here too (an opt-in until this step has passed)
   t0=$(date +%s)
   # GEMM_PREBUILT=1: the module an earlier run built and returned (carry collectives/_ep_gemm*.so)
   if [ "${GEMM_PREBUILT:-0}" = 1 ] && ls collectives/_ep_gemm*.so > /dev/null 2>&1; then
