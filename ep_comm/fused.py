@@ -75,7 +75,7 @@ def runs_fused(implementation, config: EPConfig, chunks, dtype, w_in, w_out,
     (``chunks``; ``config`` the chunk's) in one round (dropless) without an FP8 wire, and that
     both GEMMs' operands are what the CUTLASS kernel takes (in ``dtype``, where it runs), and
     raises ``ValueError`` naming what does not fit."""
-    if not (isinstance(implementation, str) and implementation == FUSED):
+    if implementation != FUSED:  # (a name, or a dict per pass)
         return False
     where = f"{api}: implementation={FUSED!r}"
     if not config.is_dropless or chunks != 1 or config.wire_format is not None:
