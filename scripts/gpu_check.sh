@@ -105,7 +105,8 @@ if step gemm; then
       && cp build/collectives/csrc/_ep_gemm*.so collectives/ || { tail -30 "$OUT/build_gemm.txt"; exit 1; }
     echo "built in $(( $(date +%s) - t0 )) s"
     mkdir -p "$OUT/prebuilt" && cp collectives/_ep_gemm*.so "$OUT/prebuilt/"
-    build/collectives/csrc/gemm_layout_test | tail -3 | tee "$OUT/gemm_layout.txt"
+    # (into build_gemm.txt: the device tool returns at most 8 files, the module among them)
+    build/collectives/csrc/gemm_layout_test | tail -3 | tee -a "$OUT/build_gemm.txt"
   fi
   "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
   timeout "${GEMM_SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
@@ -125,7 +126,8 @@ if step gemm; then
       *) echo "unknown GEMM_SHAPES entry: $shape"; continue ;;
     esac
     timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.layer_bench $args \
-      --implementation "${GEMM_IMPLS:-cutlass,cutlass-fused,cutlass-keep-u,tokamax}" ${GEMM_ARGS:---no-xla} \
+      --implementation "${GEMM_IMPLS:-cutlass,cutlass-fused,cutlass-keep-u,tokamax}" \
+      ${GEMM_ARGS:---no-xla} \
       --json "$OUT/layer_cutlass_$shape.json" 2>&1 | tee "$OUT/layer_cutlass_$shape.txt"
   done
 fi
