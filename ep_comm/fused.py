@@ -42,8 +42,9 @@ from ep_comm.rows import gather_sum
 
 KERNELS = ("cutlass", "reference")
 # moe_layer's implementation for this path: a choice of its own, not "auto"'s, because on an
-# H200 the fused kernels (cp.async gather mainloop, one tile per CTA) ran slower than the
-# unfused layer with the CUTLASS kernel per pass (docs/performance.md); what it saves is memory
+# H200 each fused kernel (cp.async gather mainloop, one tile per CTA) ran slower than the TMA
+# CUTLASS kernel of the same pass (docs/performance.md; the whole layers are not yet timed
+# against each other); what it saves is memory
 FUSED = "cutlass-fused"
 
 

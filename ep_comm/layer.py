@@ -122,8 +122,8 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         or a dict per pass), or ``"cutlass-fused"``: the experts fused with the exchange
         (:mod:`ep_comm.fused`: the up projection gathers the received rows and applies SwiGLU,
         the down projection the router weights, so ``expert_x`` and ``u`` are never written),
-        for one chunk in one round without an FP8 wire on Hopper; less memory, but slower on
-        an H200 than ``"auto"`` (which is ``"cutlass"`` per pass there).
+        for one chunk in one round without an FP8 wire on Hopper; less memory, but on an H200
+        its kernels ran slower than ``"cutlass"`` per pass, which is what ``"auto"`` runs there.
       return_handle: also return dispatch's handle (a :class:`MoEOutput`).
 
     Returns:
