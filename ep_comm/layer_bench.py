@@ -661,7 +661,7 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--parts", default="gemm,layer",
-                    help="comma-separated: gemm, layer, rounds, overlap")
+                    help="comma-separated, run in this order: gemm, layer, rounds, overlap")
     ap.add_argument("--chunks", default="1,2,4,8,auto",
                     help="overlap: the num_chunks values to run (comma-separated)")
     ap.add_argument("--chunk-by", default="tokens",
@@ -694,33 +694,45 @@ def main(argv=None):
     E = args.experts or 4 * n
     parts = args.parts.split(",")
 
-    def reports():
-        if "gemm" in parts:
-            rows = args.tokens * args.topk  # the (token, expert) rows one rank gets, balanced
-            res, best = gemm_sweep(rows, args.hidden, args.intermediate, E // n, dtype,
-                                   args.warmup, args.iters,
-                                   {} if args.no_tile_sweep else CANDIDATES,
-                                   log=lambda s: print(s, flush=True))
-            if args.tune:
-                gm.TOKAMAX_CONFIGS.update(best)
-            yield dict(kind="gemm", config=dict(rows=rows, groups=E // n, hidden=args.hidden,
-                                                intermediate=args.intermediate,
-                                                dtype=dtype.name),
-                       hardware=hardware(), warmup=args.warmup, iters=args.iters, results=res,
-                       best=best)
-        if "rounds" in parts:
-            yield rounds_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
-                                args.warmup, args.iters, args.rounds_factor)
-        if "overlap" in parts:
-            yield overlap_report(args.tokens, args.hidden, args.intermediate, E, args.topk,
-                                 dtype, args.warmup, args.iters,
-                                 [c if c == "auto" else int(c) for c in args.chunks.split(",")],
-                                 args.profile, shared_inter=args.shared_intermediate,
-                                 chunk_by=tuple(args.chunk_by.split(",")))
-        if "layer" in parts:
-            yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
-                               args.warmup, args.iters, args.implementation, args.xla_max_gib,
-                               args.profile, with_xla=not args.no_xla)
+    def gemm_part():
+        rows = args.tokens * args.topk  # the (token, expert) rows one rank gets, balanced
+        res, best = gemm_sweep(rows, args.hidden, args.intermediate, E // n, dtype,
+                               args.warmup, args.iters,
+                               {} if args.no_tile_sweep else CANDIDATES,
+                               log=lambda s: print(s, flush=True))
+        if args.tune:
+            gm.TOKAMAX_CONFIGS.update(best)
+        yield dict(kind="gemm", config=dict(rows=rows, groups=E // n, hidden=args.hidden,
+                                            intermediate=args.intermediate,
+                                            dtype=dtype.name),
+                   hardware=hardware(), warmup=args.warmup, iters=args.iters, results=res,
+                   best=best)
+
+    def rounds_part():
+        yield rounds_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
+                            args.warmup, args.iters, args.rounds_factor)
+
+    def overlap_part():
+        yield overlap_report(args.tokens, args.hidden, args.intermediate, E, args.topk,
+                             dtype, args.warmup, args.iters,
+                             [c if c == "auto" else int(c) for c in args.chunks.split(",")],
+                             args.profile, shared_inter=args.shared_intermediate,
+                             chunk_by=tuple(args.chunk_by.split(",")))
+
+    def layer_part():
+        yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
+                           args.warmup, args.iters, args.implementation, args.xla_max_gib,
+                           args.profile, with_xla=not args.no_xla)
+
+    part_fns = dict(gemm=gemm_part, rounds=rounds_part, overlap=overlap_part, layer=layer_part)
+    unknown = [p for p in parts if p not in part_fns]
+    if unknown:
+        ap.error(f"--parts: each must be one of {sorted(part_fns)}, got {unknown}")
+
+    def reports():  # in the order --parts names them (a time limit cuts the last)
+        for p in parts:
+            yield from part_fns[p]()
+
     return emit(reports(), table, args.json)
 
 

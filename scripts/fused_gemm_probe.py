@@ -30,7 +30,7 @@ def check(rng) -> list[str]:
         scale = jnp.asarray(rng.random(M), jnp.float32)
         gs = jnp.asarray(sizes, jnp.int32)
         for epilogue in gg.EPILOGUES:
-            for config in gg.CONFIGS:
+            for config in gg.FUSED_CONFIGS:
                 if epilogue == "swiglu" and config != 0:
                     continue
                 kw = dict(index=jnp.asarray(index), epilogue=epilogue,
@@ -81,7 +81,7 @@ def main():
         x, index, w_in, gs, flops=up)
     row("cutlass up (pre-gathered)", lambda u, v, g: gg.grouped_gemm("forward", u, v, g),
         gathered, w_in, gs, flops=up)
-    for config in gg.CONFIGS:
+    for config in gg.FUSED_CONFIGS:
         row(f"fused gather up, store, config {config}",
             lambda u, v, g, i, c=config: gg.fused_forward(u, v, g, index=i, config=c),
             x, w_in, gs, index, flops=up)
@@ -91,14 +91,14 @@ def main():
     row("dense drhs up (H,M)@(M,2I)", lambda u, v: u.T @ v, gathered, du, flops=up)
     row("gather + cutlass drhs up", lambda u, i, v, g: gg.grouped_gemm(
         "drhs", jnp.take(u, i, axis=0), v, g), x, index, du, gs, flops=up)
-    for config in gg.CONFIGS:
+    for config in gg.FUSED_CONFIGS:
         row(f"gathered drhs up, config {config}",
             lambda u, v, g, i, c=config: gg.gathered_drhs(u, v, g, index=i, config=c),
             x, du, gs, index, flops=up)
     row("dense down (M,I)@(I,H)", lambda u, v: u @ v, h, dense_out, flops=down)
     row("cutlass down", lambda u, v, g: gg.grouped_gemm("forward", u, v, g), h, w_out, gs,
         flops=down)
-    for config in gg.CONFIGS:
+    for config in gg.FUSED_CONFIGS:
         row(f"fused down + scale, config {config}",
             lambda u, v, g, s, c=config: gg.fused_forward(u, v, g, epilogue="scale", scale=s, config=c),
             h, w_out, gs, scale, flops=down)

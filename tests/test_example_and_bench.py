@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -100,12 +101,19 @@ def test_example_deepseek_preset_runs_shrunk(n, capsys):
     assert "experts in bfloat16" in out and "step time: median" in out
 
 
-def test_layer_bench_reports_every_pass_and_the_layer(n):
+def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
     from ep_comm import layer_bench
 
+    with pytest.raises(SystemExit):
+        layer_bench.main(["--parts", "layer,gemms"])
+    assert "--parts: each must be one of ['gemm', 'layer', 'overlap', 'rounds'], got ['gemms']" \
+        in capsys.readouterr().err
+    path = tmp_path / "layer.json"  # the parts run in the order named, the JSON kept as they end
     reports = layer_bench.main(["--tokens", "16", "--hidden", "16", "--intermediate", "8",
-                                "--topk", "2", "--iters", "1", "--warmup", "1"])
-    gemm, layer = reports
+                                "--topk", "2", "--iters", "1", "--warmup", "1",
+                                "--parts", "layer,gemm", "--json", str(path)])
+    layer, gemm = reports
+    assert [r["kind"] for r in json.loads(path.read_text())] == ["layer", "gemm"]
     passes = {(r["gemm"], r["pass_"], r["impl"]) for r in gemm["results"]}
     for g in ("up", "down"):
         for p in ("forward", "dlhs", "drhs"):

@@ -301,10 +301,10 @@ def test_grouped_gemm_rules():
         grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(65536, jnp.int32))
     with pytest.raises(ValueError, match=re.escape(
-            "grouped_gemm: config must be one of (0, 1), got 2")):
+            "grouped_gemm: config must be one of (0, 1, 2, 3), got 4")):
         grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32),
-                                  config=2)
+                                  config=4)
     if grouped_gemm.available() is not None:
         with pytest.raises(RuntimeError, match=re.escape(
                 "grouped_gemm: the CUTLASS grouped GEMM does not run here: "
@@ -488,7 +488,7 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
             kw = dict(index=index, epilogue=epilogue,
                       scale=scale if epilogue == "scale" else None)
             want = np.asarray(grouped_gemm.fused_forward_reference(x, w, gs, **kw), np.float64)
-            for config in grouped_gemm.CONFIGS if epilogue != "swiglu" else (0,):
+            for config in grouped_gemm.FUSED_CONFIGS if epilogue != "swiglu" else (0,):
                 run = jax.jit(lambda *a, c=config, kw=kw: grouped_gemm.fused_forward(
                     *a, config=c, **kw))
                 got, again = run(x, w, gs), run(x, w, gs)
@@ -507,7 +507,7 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
         want_du, want_ds = (np.asarray(a, np.float64) for a in
                             grouped_gemm.dswiglu_dlhs_reference(dyk, w_out, gs, u, h, scale))
         rows_in = int(np.minimum(np.cumsum(np.clip(sizes, 0, None)), M)[-1])
-        for config in grouped_gemm.CONFIGS:
+        for config in grouped_gemm.FUSED_CONFIGS:
             du, part = grouped_gemm.dswiglu_dlhs(dyk, w_out, gs, u, h, scale, config=config)
             np.testing.assert_allclose(np.asarray(du, np.float64)[:rows_in], want_du[:rows_in],
                                        rtol=2 ** -6, atol=2 ** -6 * (1 + np.abs(want_du).max()),
@@ -519,7 +519,7 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
         dy = jnp.asarray(rng.standard_normal((M, 136)), jnp.dtype(dtype))
         want = np.asarray(grouped_gemm.gathered_drhs_reference(x, dy, gs, index=index),
                           np.float64)
-        for config in grouped_gemm.CONFIGS:
+        for config in grouped_gemm.FUSED_CONFIGS:
             got = grouped_gemm.gathered_drhs(x, dy, gs, index=index, config=config)
             np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7,
                                        atol=2 ** -7 * (1 + np.abs(want).max()),

@@ -41,20 +41,43 @@ using Problem = ProblemShape::UnderlyingProblemShape;
 // The tile configs compiled in (the handler's "config" attribute picks one per call):
 //   0 cooperative: two consumer warpgroups share a 128x256 tile (64-deep K steps);
 //   1 ping-pong: each consumer warpgroup owns a 128x128 tile, one's epilogue under the other's
-//     mainloop (for short K, as drhs's ragged K of a few hundred rows per group).
-struct Cooperative {
-  using TileShape = Shape<_128, _256, _64>;
-  using ClusterShape = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+//     mainloop (for short K, as drhs's ragged K of a few hundred rows per group);
+//   2 cooperative 256x128 in clusters of 1x2 (each A tile multicast by TMA to the two CTAs of
+//     a cluster: CUTLASS's example 57 for grouped problems);
+//   3 cooperative 128x256 in clusters of 2x1 (each B tile multicast to two CTAs).
+// The clusters halve one operand's L2 -> SMEM traffic; whether that pays on a pass is measured
+// (layer_bench's GEMM rows), not assumed.
+template <class Tile, class Cluster, class Kernel, class Epi>
+struct TileConfig {
+  using TileShape = Tile;
+  using ClusterShape = Cluster;
+  using KernelSchedule = Kernel;
+  using EpilogueSchedule = Epi;
 };
-struct Pingpong {
-  using TileShape = Shape<_128, _128, _64>;
-  using ClusterShape = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-constexpr int kConfigs = 2;
+using Cooperative = TileConfig<Shape<_128, _256, _64>, Shape<_1, _1, _1>,
+                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+using Pingpong = TileConfig<Shape<_128, _128, _64>, Shape<_1, _1, _1>,
+                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                            cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+using CooperativeTallCluster = TileConfig<Shape<_256, _128, _64>, Shape<_1, _2, _1>,
+                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+using CooperativeWideCluster = TileConfig<Shape<_128, _256, _64>, Shape<_2, _1, _1>,
+                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+constexpr int kConfigs = 4;
+
+// Calls f with config `config`'s TileConfig (a default-constructed tag).
+template <class F>
+decltype(auto) with_config(int config, F&& f) {
+  switch (config) {
+    case 1: return f(Pingpong{});
+    case 2: return f(CooperativeTallCluster{});
+    case 3: return f(CooperativeWideCluster{});
+    default: return f(Cooperative{});
+  }
+}
 
 // One CUTLASS kernel: inputs of Element with A's and B's layouts (CUTLASS's convention: A is
 // M x K, B is K x N; RowMajor/ColumnMajor name which index is contiguous), D row-major.
@@ -315,19 +338,18 @@ ffi::Error run_pass_cfg(int config, cudaStream_t stream, Memory& mem, const E* a
                         const int32_t* group_sizes, E* d, int64_t G, int64_t M, int64_t k_dim,
                         int64_t n_dim, bool zero_tail) {
   using L = PassLayouts<P>;
-  if (config == 1) {
-    return run_pass<Kernel<E, typename L::A, typename L::B, Pingpong>, E>(
+  return with_config(config, [&](auto c) {
+    return run_pass<Kernel<E, typename L::A, typename L::B, decltype(c)>, E>(
         stream, mem, P, a, b, group_sizes, d, G, M, k_dim, n_dim, zero_tail);
-  }
-  return run_pass<Kernel<E, typename L::A, typename L::B, Cooperative>, E>(
-      stream, mem, P, a, b, group_sizes, d, G, M, k_dim, n_dim, zero_tail);
+  });
 }
 
 template <class E, int P>
 size_t workspace_cfg(int config, int64_t G) {
   using L = PassLayouts<P>;
-  if (config == 1) return workspace_size<Kernel<E, typename L::A, typename L::B, Pingpong>>(G);
-  return workspace_size<Kernel<E, typename L::A, typename L::B, Cooperative>>(G);
+  return with_config(config, [&](auto c) {
+    return workspace_size<Kernel<E, typename L::A, typename L::B, decltype(c)>>(G);
+  });
 }
 
 #define EP_COMM_GEMM_INSTANCES(EXTERN, P)                                                     \
