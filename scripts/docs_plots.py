@@ -117,6 +117,36 @@ def tpu_layer(ax):
     ax.legend(fontsize=8, loc="lower right")
 
 
+# the H200 run of the CUTLASS GEMMs per shape (docs/bench/h200x1_cutlass/), the layer by
+# implementation: ep_comm's name -> the plot's
+CUTLASS_SHAPES = [("DeepSeek-V3 EP8 rank", "run2_layer_cutlass_deepseek.json"),
+                  ("Mixtral-like", "run3_layer_cutlass_mixtral.json"),
+                  ("fine-grained", "run3_layer_cutlass_finegrained.json")]
+CUTLASS_IMPLS = [("moe_layer grouped_matmul=cutlass", "cutlass, per pass"),
+                 ("moe_layer cutlass-fused", "cutlass-fused"),
+                 ("moe_layer grouped_matmul=tokamax", "tokamax")]
+
+
+def cutlass_layer(ax):
+    labels, series = [], {label: [] for _, label in CUTLASS_IMPLS}
+    for shape, name in CUTLASS_SHAPES:
+        if not os.path.exists(os.path.join(BENCH, "h200x1_cutlass", name)):
+            continue  # a shape not yet run on the GPU
+        rep = next(r for r in json.load(open(os.path.join(BENCH, "h200x1_cutlass", name)))
+                   if r["kind"] == "layer")
+        by = {(r["impl"], r["pass_"]): r.get("x_dense") for r in rep["results"]}
+        for p in ("forward", "fwd+bwd"):
+            labels.append(f"{shape}\n{p}")
+            for impl, label in CUTLASS_IMPLS:
+                series[label].append(by.get((impl, p)) or 0.0)  # 0: not run
+    _bars(ax, labels, series, lambda label, j, v: f"{v:.2f}x" if v else "-")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("x dense einsums (same FLOPs, same run)")
+    ax.set_title("MoE layer by grouped GEMM, one H200 (bf16)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+
+
 PLOTS = {"dispatch_combine.png": dispatch_combine, "layer_vs_dense.png": layer_vs_dense,
          "overlap_chunks.png": overlap_chunks, "tpu_layer.png": tpu_layer}
 
