@@ -38,10 +38,13 @@ PASSES = ("forward", "dlhs", "drhs")
 # 128x256 in 2x1 clusters (B multicast). The defaults per pass are a first guess, to be replaced
 # by the H200 sweep (layer_bench's GEMM rows): ping-pong for drhs, whose K is one group's rows.
 CONFIGS = (0, 1, 2, 3)
-# The fused kernels' (fused_forward, gathered_drhs, dswiglu_dlhs: cp.async, no clusters) configs:
-# 0 cooperative 128x256, 1 one warpgroup on 128x128; TILE_N is each one's tile width (the dswiglu
-# pass's column tiles: its handler checks the count it is given against its grid)
-FUSED_CONFIGS = (0, 1)
+# The fused kernels' configs (cp.async, no clusters): fused_forward's FUSED_CONFIGS are 0
+# cooperative 128x256, 1 one warpgroup on 128x128, 2 as 0 with w's tiles loaded by TMA (the
+# producer's cp.async copies only the gathered rows); gathered_drhs and dswiglu_dlhs take
+# FUSED_BACKWARD_CONFIGS (0, 1). TILE_N is each one's tile width (the dswiglu pass's column
+# tiles: its handler checks the count it is given against its grid).
+FUSED_CONFIGS = (0, 1, 2)
+FUSED_BACKWARD_CONFIGS = (0, 1)
 TILE_N = {0: 256, 1: 128}
 DEFAULT_CONFIGS = {"forward": 0, "dlhs": 0, "drhs": 1}
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -144,7 +147,7 @@ def fused_forward(x, w, group_sizes, *, index=None, epilogue: str = "store", sca
 
     - ``"store"``: ``out[r] = acc`` (``(M, N)``);
     - ``"swiglu"``: ``out[r] = silu(acc[:I]) * acc[I:]`` (``(M, I)``, ``I = N / 2``: ``w``'s first
-      ``I`` columns the gate projection, its last ``I`` the up projection; tile config 0);
+      ``I`` columns the gate projection, its last ``I`` the up projection; tile config 0 or 2);
     - ``"scale"``: ``out[r] = acc * scale[r]`` (``scale`` float32 ``(M,)``: the pairs' router
       weights).
 
@@ -154,9 +157,9 @@ def fused_forward(x, w, group_sizes, *, index=None, epilogue: str = "store", sca
     not take and ``RuntimeError`` where it does not run (:func:`available`)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"fused_forward: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-    if config not in FUSED_CONFIGS or (epilogue == "swiglu" and config != 0):
-        raise ValueError(f"fused_forward: config must be one of {FUSED_CONFIGS} (0 with swiglu), "
-                         f"got {config!r}")
+    if config not in FUSED_CONFIGS or (epilogue == "swiglu" and config == 1):
+        raise ValueError(f"fused_forward: config must be one of {FUSED_CONFIGS} (0 or 2 with "
+                         f"swiglu), got {config!r}")
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1] or w.shape[0] != group_sizes.shape[0]:
         raise ValueError(f"fused_forward: x (X, K), w (G, K, N) and group_sizes (G,) must fit, got "
                          f"x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
@@ -204,8 +207,9 @@ def gathered_drhs(x, dy, group_sizes, *, index=None, config: int = 0):
     pairs' rows are not written for the backward either. ``x`` ``(X, K)``, ``dy`` ``(M, N)``,
     ``index`` int32 ``(M,)`` (outside ``[0, X)``: a zero row; none: ``x``'s row ``r``, ``X ==
     M``); bfloat16 or float16, K and N multiples of 8. Raises as :func:`fused_forward`."""
-    if config not in FUSED_CONFIGS:
-        raise ValueError(f"gathered_drhs: config must be one of {FUSED_CONFIGS}, got {config!r}")
+    if config not in FUSED_BACKWARD_CONFIGS:
+        raise ValueError(f"gathered_drhs: config must be one of {FUSED_BACKWARD_CONFIGS}, got "
+                         f"{config!r}")
     if x.ndim != 2 or dy.ndim != 2 or (index is None and x.shape[0] != dy.shape[0]) or (
             index is not None and index.shape != (dy.shape[0],)):
         raise ValueError(f"gathered_drhs: x (X, K), dy (M, N) and index (M,) must fit, got x "
@@ -257,8 +261,9 @@ def dswiglu_dlhs(dy, w_out, group_sizes, u, h, scale, *, config: int = 0):
       are the router weights' gradient (``h`` ``(M, I)``: the forward's ``silu(gate) * up``).
 
     Rows past the groups are left unwritten. Raises as :func:`fused_forward`."""
-    if config not in FUSED_CONFIGS:
-        raise ValueError(f"dswiglu_dlhs: config must be one of {FUSED_CONFIGS}, got {config!r}")
+    if config not in FUSED_BACKWARD_CONFIGS:
+        raise ValueError(f"dswiglu_dlhs: config must be one of {FUSED_BACKWARD_CONFIGS}, got "
+                         f"{config!r}")
     M, I = h.shape
     if (dy.ndim != 2 or dy.shape[0] != M or w_out.shape != (group_sizes.shape[0], I, dy.shape[1])
             or u.shape != (M, 2 * I) or scale.shape != (M,)):

@@ -46,6 +46,9 @@ KERNELS = ("cutlass", "reference")
 # CUTLASS kernel of the same pass (docs/performance.md; the whole layers are not yet timed
 # against each other); what it saves is memory
 FUSED = "cutlass-fused"
+# the forward kernels' tile config (grouped_gemm.FUSED_CONFIGS): 0 copies w's tiles by cp.async,
+# 2 by TMA; the H200 run decides
+FORWARD_CONFIG = 0
 
 
 def _forward(kernel: str):
@@ -95,22 +98,24 @@ def runs_fused(implementation, config: EPConfig, chunks, dtype, w_in, w_out,
     return True
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def fused_experts(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel,
-                  keep_u=False):
+                  keep_u=False, forward_config=FORWARD_CONFIG):
     """``pair_w[r] * (swiglu(rows[sources[r]] @ w_in[g]) @ w_out[g])`` for the pairs ``r`` of
     group ``g`` (``(C, H)``, zero past the groups); ``recv_pos`` ``(R, K)`` (each received row's
     pairs, ``C`` for none) is what the gather's transpose sums over. ``keep_u``: the backward
-    reads the up projection's output kept from the forward instead of recomputing it."""
+    reads the up projection's output kept from the forward instead of recomputing it;
+    ``forward_config`` the forward kernels' tile config (``grouped_gemm.FUSED_CONFIGS``)."""
     # (without a gradient nothing is kept: u is not written)
     return _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel,
-                      False)[0]
+                      False, forward_config)[0]
 
 
-def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel, keep_u):
+def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel, keep_u,
+               forward_config=FORWARD_CONFIG):
     # rows past the groups are left unwritten (zero_tail=False) here and in the backward: no
     # later pass reads them (combine and the grouped passes read the groups' rows only)
-    fwd = functools.partial(_forward(kernel), zero_tail=False)
+    fwd = functools.partial(_forward(kernel), zero_tail=False, config=forward_config)
     if keep_u:  # u written and kept; SwiGLU in XLA (float32, rounded to u's dtype)
         u = fwd(rows, w_in, group_sizes, index=sources)
         I = w_out.shape[1]
@@ -122,9 +127,10 @@ def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel
     return y, (rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h, u)
 
 
-def _fused_bwd(kernel, keep_u, res, dy_w):
+def _fused_bwd(kernel, keep_u, forward_config, res, dy_w):
     rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h, u = res
-    fwd, (dlhs, drhs) = functools.partial(_forward(kernel), zero_tail=False), _passes(kernel)
+    fwd = functools.partial(_forward(kernel), zero_tail=False, config=forward_config)
+    dlhs, drhs = _passes(kernel)
     dt, C = rows.dtype, sources.shape[0]
     grouped = jnp.arange(C) < jnp.sum(group_sizes)
     # dy_w = pair_w * dy (the cotangent of the weighted rows): dh_w = dy_w . w_out^T gives the
@@ -156,14 +162,17 @@ fused_experts.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_moe(x, topk_ids, topk_weights, config: EPConfig, w_in, w_out, kernel: str = "cutlass",
-              keep_u: bool = False):
+              keep_u: bool = False, forward_config: int = FORWARD_CONFIG):
     """:func:`ep_comm.moe_layer`'s SwiGLU experts through the fused kernels, for one chunk in one
     round (``config.is_dropless``) with no FP8 wire: returns ``((T, H) y, handle)``. Arguments
-    as ``moe_layer``'s, checked there; ``keep_u`` as :func:`fused_experts`'s."""
+    as ``moe_layer``'s, checked there; ``keep_u`` and ``forward_config`` as
+    :func:`fused_experts`'s."""
     if kernel not in KERNELS:
         raise ValueError(f"fused_moe: kernel must be one of {KERNELS}, got {kernel!r}")
     if not isinstance(keep_u, bool):
         raise ValueError(f"fused_moe: keep_u must be a bool, got {keep_u!r}")
+    if forward_config not in (0, 2):  # (the 256-wide tiles the SwiGLU epilogue needs)
+        raise ValueError(f"fused_moe: forward_config must be 0 or 2, got {forward_config!r}")
     if kernel == "cutlass":  # where it runs, and the dtypes it takes (moe_layer's own words)
         resolve("cutlass", x.dtype, api="moe_layer")
     (rows, sources), handle = drive(dispatch_steps(x, topk_ids, topk_weights, config,
@@ -174,7 +183,7 @@ def fused_moe(x, topk_ids, topk_weights, config: EPConfig, w_in, w_out, kernel: 
     pair_w = jnp.zeros((C,), jnp.float32).at[handle.recv_pos].add(handle.recv_weights,
                                                                    mode="drop")
     y_pairs = fused_experts(rows, sources, handle.recv_pos, handle.group_sizes, w_in, w_out,
-                            pair_w, kernel, keep_u)
+                            pair_w, kernel, keep_u, forward_config)
     # combine sums each token's rows, each once, unweighted: the weights are in y_pairs
     first = expert_rows_read(handle.recv_pos, C) < C
     unit = dataclasses.replace(handle, recv_weights=first.astype(jnp.float32))

@@ -170,8 +170,12 @@ def _wrong(out, ref, dtype, k):
 
 # --implementation's extra row: the fused path keeping u (the up projection's output) for the
 # backward instead of recomputing it (ep_comm.fused), to measure the two against each other
-# (FUSED, "cutlass-fused", is moe_layer's own name for the fused path)
+# (FUSED, "cutlass-fused", is moe_layer's own name for the fused path); and the fused path with
+# its forward kernels loading w's tiles by TMA (tile config 2), against cp.async (config 0)
 KEEP_U = "cutlass-keep-u"
+FUSED_TMA = "cutlass-fused-tma"
+FUSED_ROWS = {KEEP_U: (dict(keep_u=True), "u kept"),
+              FUSED_TMA: (dict(forward_config=2), "w by TMA")}
 
 
 def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
@@ -198,8 +202,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
 
     def program(impl):
         def f(x, ids, w, wi, wo):
-            if impl == KEEP_U:
-                return fused_moe(x, ids, w, cfg, wi, wo, keep_u=True)[0]
+            if impl in FUSED_ROWS:
+                return fused_moe(x, ids, w, cfg, wi, wo, **FUSED_ROWS[impl][0])[0]
             return ep_comm.moe_layer(x, ids, w, cfg, w_in=wi, w_out=wo, implementation=impl)
         fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
@@ -246,18 +250,19 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     gpu = jax.default_backend() == "gpu"
     variants = [(impl, True) for impl in implementation.split(",")]  # e.g. "cutlass,tokamax"
     gemm_of = lambda impl: gm.resolve(  # noqa: E731
-        "cutlass" if impl in (KEEP_U, FUSED) else impl, dtype)
+        "cutlass" if impl in (FUSED, *FUSED_ROWS) else impl, dtype)
     if with_xla and all(gemm_of(impl) != "xla" for impl, _ in variants):
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
-        if n == 1 and fits and impl not in (KEEP_U, FUSED):  # plain JAX, the same GEMM kernel
-            kind = gm.resolve(impl, dtype)      # every expert here)
+        # plain JAX, the same GEMM kernel (n == 1: every expert here)
+        if n == 1 and fits and impl not in (FUSED, *FUSED_ROWS):
+            kind = gm.resolve(impl, dtype)
             gemm = (jax.lax.ragged_dot if kind == "xla" else functools.partial(
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
-        label = (f"moe_layer {FUSED}, u kept" if impl == KEEP_U  # (ep_comm.fused)
+        label = (f"moe_layer {FUSED}, {FUSED_ROWS[impl][1]}" if impl in FUSED_ROWS
                  else f"moe_layer {FUSED}" if impl == FUSED
                  else f"moe_layer grouped_matmul={impl}")
         if impl == "auto":
@@ -675,7 +680,7 @@ def main(argv=None):
     ap.add_argument("--implementation", default="auto",
                     help="grouped_matmul's, for the layer: comma-separated, e.g. "
                          f"cutlass,{FUSED},tokamax; {KEEP_U}: the fused path keeping u for the "
-                         f"backward")
+                         f"backward; {FUSED_TMA}: the fused path with w's tiles by TMA")
     ap.add_argument("--xla-max-gib", type=float, default=40.0,
                     help="skip lax.ragged_dot on GPU when its dense mask exceeds this")
     ap.add_argument("--no-tile-sweep", action="store_true",

@@ -433,7 +433,7 @@ def test_fused_forward_rules():
         (dict(epilogue="gelu"), ValueError,
          "fused_forward: epilogue must be one of ('store', 'swiglu', 'scale'), got 'gelu'"),
         (dict(epilogue="swiglu", config=1), ValueError,
-         "fused_forward: config must be one of (0, 1) (0 with swiglu), got 1"),
+         "fused_forward: config must be one of (0, 1, 2) (0 or 2 with swiglu), got 1"),
         (dict(epilogue="swiglu"), ValueError,
          "fused_forward: swiglu needs N = 2I with I a multiple of 8, got N=24"),
         (dict(epilogue="scale", index=jnp.zeros(4, jnp.int32)), ValueError,
@@ -488,7 +488,7 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
             kw = dict(index=index, epilogue=epilogue,
                       scale=scale if epilogue == "scale" else None)
             want = np.asarray(grouped_gemm.fused_forward_reference(x, w, gs, **kw), np.float64)
-            for config in grouped_gemm.FUSED_CONFIGS if epilogue != "swiglu" else (0,):
+            for config in grouped_gemm.FUSED_CONFIGS if epilogue != "swiglu" else (0, 2):
                 run = jax.jit(lambda *a, c=config, kw=kw: grouped_gemm.fused_forward(
                     *a, config=c, **kw))
                 got, again = run(x, w, gs), run(x, w, gs)
@@ -507,7 +507,7 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
         want_du, want_ds = (np.asarray(a, np.float64) for a in
                             grouped_gemm.dswiglu_dlhs_reference(dyk, w_out, gs, u, h, scale))
         rows_in = int(np.minimum(np.cumsum(np.clip(sizes, 0, None)), M)[-1])
-        for config in grouped_gemm.FUSED_CONFIGS:
+        for config in grouped_gemm.FUSED_BACKWARD_CONFIGS:
             du, part = grouped_gemm.dswiglu_dlhs(dyk, w_out, gs, u, h, scale, config=config)
             np.testing.assert_allclose(np.asarray(du, np.float64)[:rows_in], want_du[:rows_in],
                                        rtol=2 ** -6, atol=2 ** -6 * (1 + np.abs(want_du).max()),
@@ -519,7 +519,7 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
         dy = jnp.asarray(rng.standard_normal((M, 136)), jnp.dtype(dtype))
         want = np.asarray(grouped_gemm.gathered_drhs_reference(x, dy, gs, index=index),
                           np.float64)
-        for config in grouped_gemm.FUSED_CONFIGS:
+        for config in grouped_gemm.FUSED_BACKWARD_CONFIGS:
             got = grouped_gemm.gathered_drhs(x, dy, gs, index=index, config=config)
             np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7,
                                        atol=2 ** -7 * (1 + np.abs(want).max()),
@@ -654,11 +654,24 @@ def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind, k
                                   out_specs=P("ep")))(*sharded.put(x, ids, w, w_in, w_out))
 
 
+def test_fused_moe_names_a_bad_argument(n):
+    """fused_moe's own arguments, checked before anything is traced."""
+    from ep_comm import fused
+    cfg, z = layer_config(n, capacity_factor=None), jnp.zeros((T, H), jnp.bfloat16)
+    for kw, msg in ((dict(kernel="tma"), "fused_moe: kernel must be one of ('cutlass', "
+                     "'reference'), got 'tma'"),
+                    (dict(keep_u=1), "fused_moe: keep_u must be a bool, got 1"),
+                    (dict(forward_config=1), "fused_moe: forward_config must be 0 or 2, got 1")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            fused.fused_moe(z, None, None, cfg, None, None, **kw)
+
+
 @CUTLASS
 def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
     """moe_layer(implementation="cutlass-fused") runs the fused path on Hopper: the fused kernels'
     values and gradients against the same path with the kernels' plain-JAX reference, bf16; and
-    the same with the up projection kept for the backward (``keep_u``)."""
+    the same with the up projection kept for the backward (``keep_u``) and with w's tiles by
+    TMA (forward config 2)."""
     from jax.sharding import PartitionSpec as P
     from ep_comm import fused
     # (H and I multiples of 8, as the kernel takes them; each narrower than one tile)
@@ -667,15 +680,15 @@ def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
     x, w_in, w_out, cot = bf(x, w_in, w_out, cot)
     cfg = layer_config(n, capacity_factor=None)
 
-    def run(kernel, keep_u=False):
+    def run(kernel, keep_u=False, forward_config=fused.FORWARD_CONFIG):
         def f(x, ids, w, w_in, w_out, cot):
             def loss(x, w, w_in, w_out):
-                if kernel == "cutlass" and not keep_u:
+                if kernel == "cutlass" and not keep_u and forward_config == fused.FORWARD_CONFIG:
                     y = ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
                                           implementation="cutlass-fused")
                 else:
                     y = fused.fused_moe(x, ids, w, cfg, w_in, w_out, kernel=kernel,
-                                        keep_u=keep_u)[0]
+                                        keep_u=keep_u, forward_config=forward_config)[0]
                 return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * cot), "ep"), y
             grads, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, w_in, w_out)
             return (y,) + grads
@@ -684,12 +697,12 @@ def test_fused_path_cutlass_equals_its_reference_bf16(sharded, n, rng):
                 *sharded.put(x, ids, w, w_in, w_out, cot)))
 
     want = run("reference")
-    for keep_u in (False, True):
+    for keep_u, config in ((False, fused.FORWARD_CONFIG), (True, 0), (False, 2)):
         for name, g, r in zip(("y", "d x", "d topk_weights", "d w_in", "d w_out"),
-                              run("cutlass", keep_u), want):
+                              run("cutlass", keep_u, config), want):
             g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
             np.testing.assert_allclose(g, r, rtol=2 ** -6, atol=2 ** -6 * (1 + np.abs(r).max()),
-                                       err_msg=f"keep_u={keep_u}: {name}")
+                                       err_msg=f"keep_u={keep_u}, config {config}: {name}")
 
 
 def test_layer_user_experts_and_handle(sharded, n, rng):

@@ -54,7 +54,21 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
     return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: the problem is too large for "
                                        "its grid");
   }
-  kernel<T, E, EPI><<<unsigned(tiles_m * tiles_n), T::kThreads, T::kSmemBytes, stream>>>(p);
+  if (p.G == 0 || tiles_m * tiles_n == 0) return ffi::Error::Success();  // no group, no tile
+  // config 2: B's TMA descriptor over w, encoded here (w's address changes from call to call)
+  if (T::kTmaB && reinterpret_cast<uintptr_t>(p.w) % 16 != 0) {
+    return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: config 2 (B by TMA) needs w "
+                                       "16-byte aligned");
+  }
+  auto tma = [&] {
+    if constexpr (T::kTmaB) {
+      return make_tma_copy(SM90_TMA_LOAD{}, T::b_tensor(p.w, p.N, p.K, p.G),
+                           typename T::SmemLayoutBHalf{});
+    } else {
+      return NoTma{};
+    }
+  }();
+  kernel<T, E, EPI><<<unsigned(tiles_m * tiles_n), T::kThreads, T::kSmemBytes, stream>>>(p, tma);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("launch"));
 }
@@ -66,10 +80,16 @@ ffi::Error launch_epilogue(cudaStream_t stream, const Params<E>& p, int epilogue
       if constexpr (size<1>(typename Config::TileShape{}) == 256) {
         return launch<E, Config, kSwiGLU>(stream, p);
       } else {
-        return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: swiglu needs config 0");
+        return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: swiglu needs config 0 "
+                                           "or 2");
       }
     case kScale: return launch<E, Config, kScale>(stream, p);
-    case kDSwiGLU: return launch<E, Config, kDSwiGLU>(stream, p);
+    case kDSwiGLU:  // (its handler takes configs 0 and 1)
+      if constexpr (Config::kTmaB) {
+        return ffi::Error::InvalidArgument("ep_comm dSwiGLU dlhs: config 2 is the forward's");
+      } else {
+        return launch<E, Config, kDSwiGLU>(stream, p);
+      }
     default: return launch<E, Config, kStore>(stream, p);
   }
 }
@@ -102,8 +122,9 @@ ffi::Error run_drhs(cudaStream_t stream, const DrhsParams<E>& p, int config) {
 template <class E>
 ffi::Error run(cudaStream_t stream, const Params<E>& p, int epilogue, int config, bool zero_tail) {
   if (p.M > 0 && p.N > 0) {
-    ffi::Error e = config == 1 ? launch_epilogue<E, Single>(stream, p, epilogue)
-                               : launch_epilogue<E, Cooperative>(stream, p, epilogue);
+    ffi::Error e = config == 1   ? launch_epilogue<E, Single>(stream, p, epilogue)
+                   : config == 2 ? launch_epilogue<E, CooperativeTmaB>(stream, p, epilogue)
+                                 : launch_epilogue<E, Cooperative>(stream, p, epilogue);
     if (e.failure()) return e;
   }
   if (zero_tail) {
@@ -126,9 +147,12 @@ ffi::Error invalid(const char* api, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(api) + ": " + what);
 }
 
-std::string config_error(int64_t config) {
-  return config < 0 || config >= kConfigs ? "config must be in [0, 2), got " + std::to_string(config)
-                                          : std::string();
+// configs: the forward's kConfigs, the backward handlers' kBackwardConfigs
+std::string config_error(int64_t config, int configs) {
+  return config < 0 || config >= configs
+             ? "config must be in [0, " + std::to_string(configs) + "), got " +
+                   std::to_string(config)
+             : std::string();
 }
 
 std::string multiples_error(int64_t K, int64_t N) {
@@ -159,9 +183,10 @@ ffi::Error Fused(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> in
   if (epilogue < 0 || epilogue > kScale) {  // (kDSwiGLU has its own handler)
     return bad("epilogue must be in [0, 3), got " + std::to_string(epilogue));
   }
-  if (!config_error(config).empty()) return bad(config_error(config));
-  if (epilogue == kSwiGLU && config != 0) {
-    return bad("the swiglu epilogue runs with config 0 (a 256-wide tile holds both halves)");
+  if (!config_error(config, kConfigs).empty()) return bad(config_error(config, kConfigs));
+  if (epilogue == kSwiGLU && config == 1) {
+    return bad("the swiglu epilogue runs with config 0 or 2 (a 256-wide tile holds both "
+               "halves)");
   }
   const auto dt = x.element_type();
   if (!sixteen_bit(dt) || w.element_type() != dt || out->element_type() != dt) {
@@ -219,7 +244,9 @@ ffi::Error DrhsGather(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
                       ffi::Result<ffi::AnyBuffer> out, int64_t config) {
   constexpr const char* api = "ep_comm gathered drhs";
   auto bad = [](const std::string& what) { return invalid(api, what); };
-  if (!config_error(config).empty()) return bad(config_error(config));
+  if (!config_error(config, kBackwardConfigs).empty()) {
+    return bad(config_error(config, kBackwardConfigs));
+  }
   const auto dt = x.element_type();
   if (!sixteen_bit(dt) || dy.element_type() != dt || out->element_type() != dt) {
     return bad("x, dy and the result must all be bfloat16 or all float16");
@@ -258,7 +285,9 @@ ffi::Error DSwiGLU(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w,
                    ffi::Result<ffi::Buffer<ffi::F32>> part, int64_t config) {
   constexpr const char* api = "ep_comm dSwiGLU dlhs";
   auto bad = [](const std::string& what) { return invalid(api, what); };
-  if (!config_error(config).empty()) return bad(config_error(config));
+  if (!config_error(config, kBackwardConfigs).empty()) {
+    return bad(config_error(config, kBackwardConfigs));
+  }
   const auto dt = dy.element_type();
   if (!sixteen_bit(dt) || w.element_type() != dt || u.element_type() != dt || h.element_type() != dt || du->element_type() != dt) {
     return bad("dy, w, u, h and du must all be bfloat16 or all float16");
@@ -396,7 +425,7 @@ long long fused_selftest() {
   const int64_t total = off;
   for (int config = 0; config < kConfigs && dx && dw && di && dg && dsc && dout; ++config) {
     for (int epi = 0; epi < kEpilogues; ++epi) {
-      if ((epi == kSwiGLU && config != 0) || epi == kDSwiGLU) continue;  // (below)
+      if ((epi == kSwiGLU && config == 1) || epi == kDSwiGLU) continue;  // (below)
       const int64_t cols = epi == kSwiGLU ? N / 2 : N;
       cudaMemsetAsync(dout, 0xFF, M * N * sizeof(E), s);  // NaN: every row must be written
       Params<E> p{dx, di, dw, dg, epi == kScale ? dsc : nullptr, dout, X, M, G, K, N};
@@ -446,7 +475,8 @@ long long fused_selftest() {
     auto* d_h = static_cast<E*>(up(hk.data(), hk.size() * sizeof(E)));
     auto* d_du = static_cast<E*>(up(nullptr, M * 2 * N * sizeof(E)));
     auto* d_part = static_cast<float*>(up(nullptr, M * sizeof(float)));  // one column tile
-    for (int config = 0; config < kConfigs && d_dy && d_w && d_u && d_h && d_du && d_part;
+    for (int config = 0;
+         config < kBackwardConfigs && d_dy && d_w && d_u && d_h && d_du && d_part;
          ++config) {
       cudaMemsetAsync(d_du, 0, M * 2 * N * sizeof(E), s);
       cudaMemsetAsync(d_part, 0, M * sizeof(float), s);
@@ -490,7 +520,7 @@ long long fused_selftest() {
   for (size_t i = 0; i < dyh.size(); ++i) dyh[i] = E(float(int(i % 7) - 3));
   auto* ddy = static_cast<E*>(up(dyh.data(), dyh.size() * sizeof(E)));
   auto* dgw = static_cast<E*>(up(nullptr, G * K * N * sizeof(E)));
-  for (int config = 0; config < kConfigs && ddy && dgw && dx && di && dg; ++config) {
+  for (int config = 0; config < kBackwardConfigs && ddy && dgw && dx && di && dg; ++config) {
     cudaMemsetAsync(dgw, 0xFF, G * K * N * sizeof(E), s);  // NaN: every element must be written
     DrhsParams<E> p{dx, di, ddy, dg, dgw, X, M, G, K, N};
     if (run_drhs(s, p, config).failure()) return -1;

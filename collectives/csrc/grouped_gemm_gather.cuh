@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
@@ -21,6 +22,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/numeric_types.h"
 #include "cutlass/pipeline/pipeline.hpp"
+#include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "grouped_gemm_common.cuh"
 
 namespace ep_comm::gemm::gather {
@@ -43,19 +45,29 @@ enum Epilogue : int { kStore = 0, kSwiGLU = 1, kScale = 2, kDSwiGLU = 3 };
 constexpr int kEpilogues = 4;
 
 // Tile configs: 0 cooperative (two consumer warpgroups on a 128 x 256 tile), 1 one consumer
-// warpgroup on a 128 x 128 tile.
+// warpgroup on a 128 x 128 tile, 2 as 0 with B's tiles loaded by TMA (the forward's epilogues
+// kStore, kSwiGLU and kScale: one thread issues them, and the producer warpgroup's cp.async
+// copies only A's gathered rows, a third of the bytes).
 // (registers per thread: the producer's and the consumers', within the SM's 64K)
 struct Cooperative {
   using TileShape = Shape<_128, _256, _64>;
   using Schedule = cutlass::gemm::KernelCpAsyncWarpSpecializedCooperative;
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static constexpr bool kTmaB = false;
 };
 struct Single {
   using TileShape = Shape<_128, _128, _64>;
   using Schedule = cutlass::gemm::KernelCpAsyncWarpSpecialized;
   static constexpr int kProducerRegs = 56, kConsumerRegs = 240;
+  static constexpr bool kTmaB = false;
 };
-constexpr int kConfigs = 2;
+struct CooperativeTmaB : Cooperative {
+  static constexpr bool kTmaB = true;
+};
+constexpr int kConfigs = 3;         // the forward's (Fused handler)
+constexpr int kBackwardConfigs = 2;  // gathered drhs and dSwiGLU: 0 and 1 (cp.async only)
+
+struct NoTma {};  // the kernel's TMA argument where B is copied by cp.async
 
 // LayoutA: RowMajor (A K-major: the forward's rows) or ColumnMajor (A M-major: the weight
 // gradient's x^T, whose K is the pairs); LayoutB: RowMajor (B N-major: w[g] as the forward
@@ -87,6 +99,24 @@ struct Traits {
     alignas(16) typename Mainloop::PipelineStorage pipeline;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  // B by TMA (Config::kTmaB, B N-major): w (G, K, N) seen as (N, K, G), one copy per half tile
+  // of BN / 2 columns (SwiGLU's gate and up halves lie apart in w), into the mainloop's own
+  // swizzled stage layout; out-of-range columns and K rows arrive as zeros
+  static constexpr bool kTmaB =
+      Config::kTmaB && std::is_same_v<LayoutB, cutlass::layout::RowMajor>;
+  using BHalf = Shape<Int<BN / 2>, Int<BK>>;
+  using SmemLayoutBHalf =
+      decltype(flat_divide(SmemLayoutB{}(_, _, Int<0>{}), BHalf{})(_, _, Int<0>{}, Int<0>{}));
+  static auto b_tensor(const E* w, int64_t N, int64_t K, int64_t G) {
+    return make_tensor(make_gmem_ptr(w),
+                       make_layout(make_shape(int32_t(N), int32_t(K), int32_t(G)),
+                                   make_stride(Int<1>{}, N, K * N)));
+  }
+  using TmaArg = std::conditional_t<
+      kTmaB,
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, b_tensor(nullptr, 0, 0, 0), SmemLayoutBHalf{})),
+      NoTma>;
+  static constexpr uint32_t kTmaBytes = uint32_t(BN * BK * sizeof(E));  // both halves a stage
   static_assert(BK % 8 == 0 && BN % 8 == 0, "16-byte chunks along K (A) and N (B)");
   static_assert((BM * BK / 8) % kProducers == 0 && (BN * BK / 8) % kProducers == 0,
                 "every producer thread copies the same number of chunks");
@@ -170,7 +200,8 @@ CUTLASS_HOST_DEVICE void grid_tiles(const Params<Ep>& p, int64_t& tiles_m, int64
 // EPI a template argument: with the epilogue known, the loop over the accumulators unrolls and
 // they stay in registers.
 template <class T, class Ep, int EPI>
-__global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
+__global__ void __launch_bounds__(T::kThreads, 1)
+    kernel(Params<Ep> p, const __grid_constant__ typename T::TmaArg tma_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Pipeline = typename T::Pipeline;
   using State = typename Pipeline::PipelineState;
@@ -271,6 +302,27 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
         b_ok[nh] = col0 + 128 * nh + n < p.N;
       }
     }
+    // TMA: half hf of the tile (columns [0, BN / 2) of the stage, then the rest) reads w's
+    // columns from its first: SwiGLU's gate jb and up half_n + jb, else col0 and col0 + BN / 2
+    auto tma_parts = [&] {
+      if constexpr (T::kTmaB) {
+        Tensor mB = tma_b.get_tma_tensor(make_shape(int32_t(p.N), int32_t(p.K), int32_t(p.G)));
+        Tensor mBg = mB(_, _, int32_t(group));
+        Tensor sBh = flat_divide(sB, typename T::BHalf{});  // (BN / 2, BK, 2, 1, stages)
+        auto cta = tma_b.get_slice(Int<0>{});
+        auto part = [&](int hf) {
+          const int32_t c = EPI == kSwiGLU ? int32_t((hf ? half_n : 0) + jb)
+                                           : int32_t(col0 + hf * (BN / 2));
+          Tensor gB = local_tile(domain_offset(make_coord(c, 0), mBg), typename T::BHalf{},
+                                 make_coord(0, _));  // (BN / 2, BK, k tiles)
+          return cute::make_tuple(cta.partition_S(gB), cta.partition_D(sBh(_, _, hf, 0, _)));
+        };
+        return cute::make_tuple(part(0), part(1));  // ((source, destination) per half)
+      } else {
+        return 0;
+      }
+    };
+    [[maybe_unused]] auto tma_io = tma_parts();
     State write = cutlass::make_producer_start_state<Pipeline>();
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipeline.producer_acquire(write);
@@ -284,7 +336,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) kernel(Params<Ep> p) {
         cp_async_16(sa + j * a_step, ok ? p.x + int64_t(a_src[j]) * p.K + k0 + kc : p.x,
                     ok ? 16 : 0);
       }
-      if constexpr (EPI == kDSwiGLU) {
+      if constexpr (T::kTmaB) {
+        if (t == 0) {  // (before this thread's arrival in producer_commit: the phase waits)
+          auto* bar = pipeline.producer_get_barrier(write);
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, T::kTmaBytes);
+          auto& h0 = get<0>(tma_io);
+          auto& h1 = get<1>(tma_io);
+          copy(tma_b.with(*bar), get<0>(h0)(_, _, _, kt), get<1>(h0)(_, _, _, write.index()));
+          copy(tma_b.with(*bar), get<0>(h1)(_, _, _, kt), get<1>(h1)(_, _, _, write.index()));
+        }
+      } else if constexpr (EPI == kDSwiGLU) {
         const uint32_t sbk = b_base + write.index() * b_stage + bk_first;
         const Ep* wk = p.w + group * p.N * p.K + k0 + kc;
         CUTLASS_PRAGMA_UNROLL
