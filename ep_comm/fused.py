@@ -39,6 +39,7 @@ from ep_comm.gemm import pass_implementations, pass_kernel, resolve
 from ep_comm.moe import combine, dispatch_steps
 from ep_comm.routes import drive
 from ep_comm.rows import gather_sum
+from topology.jax_compat import match_vma, sum_to_vma
 
 KERNELS = ("cutlass", "reference")
 # moe_layer's implementation for this path: a choice of its own, not "auto"'s, because on an
@@ -47,7 +48,7 @@ KERNELS = ("cutlass", "reference")
 # against each other); what it saves is memory
 FUSED = "cutlass-fused"
 # the forward kernels' tile config (grouped_gemm.FUSED_CONFIGS): 0 copies w's tiles by cp.async,
-# 2 by TMA; the H200 run decides
+# 2 by TMA; on an H200, 2 ran slower (docs/performance.md), so 0
 FORWARD_CONFIG = 0
 
 
@@ -123,7 +124,7 @@ def _fused_fwd(rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, kernel
             u.dtype)
     else:
         u, h = None, fwd(rows, w_in, group_sizes, index=sources, epilogue="swiglu")
-    y = fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w)
+    y = match_vma(fwd(h, w_out, group_sizes, epilogue="scale", scale=pair_w), rows)
     return y, (rows, sources, recv_pos, group_sizes, w_in, w_out, pair_w, h, u)
 
 
@@ -154,8 +155,10 @@ def _fused_bwd(kernel, keep_u, forward_config, res, dy_w):
     first = expert_rows_read(recv_pos, C) < C
     d_rows = gather_sum(d_expert_x, recv_pos, first, out_dtype=dt)
     zeros = lambda a: jnp.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    return (d_rows, zeros(sources), zeros(recv_pos), zeros(group_sizes), dw_in.astype(w_in.dtype),
-            dw_out.astype(w_out.dtype), d_pair_w)
+    # typed as the primals (under shard_map the kernels' results carry no varying axes)
+    typed = lambda ct, p: match_vma(sum_to_vma(ct.astype(p.dtype), p), p)  # noqa: E731
+    return (typed(d_rows, rows), zeros(sources), zeros(recv_pos), zeros(group_sizes),
+            typed(dw_in, w_in), typed(dw_out, w_out), typed(d_pair_w, pair_w))
 
 
 fused_experts.defvjp(_fused_fwd, _fused_bwd)

@@ -15,6 +15,10 @@
   at a DeepSeek-V3-like H=7168 (``docs/bench/tpu_v5e/layer_ragged_dot.json``,
   ``layer_H7168_ragged_dot.json``).
 
+- ``cutlass_passes.png``: each pass of the experts' grouped GEMMs, ep_comm's CUTLASS kernel with
+  its default tile config and tokamax, against the dense einsum of the same FLOPs in the same run
+  (``docs/bench/h200x1_cutlass/run3_layer_cutlass_deepseek.json``).
+
 The scale model's curve is ``docs/bench/scale_model/efficiency.png`` (``python -m topology.scale
 --png``).
 """
@@ -117,38 +121,28 @@ def tpu_layer(ax):
     ax.legend(fontsize=8, loc="lower right")
 
 
-# the H200 run of the CUTLASS GEMMs per shape (docs/bench/h200x1_cutlass/), the layer by
-# implementation: ep_comm's name -> the plot's
-CUTLASS_SHAPES = [("DeepSeek-V3 EP8 rank", "run2_layer_cutlass_deepseek.json"),
-                  ("Mixtral-like", "run3_layer_cutlass_mixtral.json"),
-                  ("fine-grained", "run3_layer_cutlass_finegrained.json")]
-CUTLASS_IMPLS = [("moe_layer grouped_matmul=cutlass", "cutlass, per pass"),
-                 ("moe_layer cutlass-fused", "cutlass-fused"),
-                 ("moe_layer grouped_matmul=tokamax", "tokamax")]
-
-
-def cutlass_layer(ax):
-    labels, series = [], {label: [] for _, label in CUTLASS_IMPLS}
-    for shape, name in CUTLASS_SHAPES:
-        if not os.path.exists(os.path.join(BENCH, "h200x1_cutlass", name)):
-            continue  # a shape not yet run on the GPU
-        rep = next(r for r in json.load(open(os.path.join(BENCH, "h200x1_cutlass", name)))
-                   if r["kind"] == "layer")
-        by = {(r["impl"], r["pass_"]): r.get("x_dense") for r in rep["results"]}
-        for p in ("forward", "fwd+bwd"):
-            labels.append(f"{shape}\n{p}")
-            for impl, label in CUTLASS_IMPLS:
-                series[label].append(by.get((impl, p)) or 0.0)  # 0: not run
-    _bars(ax, labels, series, lambda label, j, v: f"{v:.2f}x" if v else "-")
+def cutlass_passes(ax):
+    from collectives.grouped_gemm import DEFAULT_CONFIGS
+    rep = _report("h200x1_cutlass", "run3_layer_cutlass_deepseek.json")
+    by = {(r["gemm"], r["pass_"], r["impl"]): r["x_dense"] for r in rep["results"]
+          if "x_dense" in r}
+    labels = [(g, p) for g in ("up", "down") for p in ("forward", "dlhs", "drhs")]
+    series = {
+        "ep_comm CUTLASS (default tile config)": [
+            by[(g, p, f"ep_comm cutlass config {DEFAULT_CONFIGS[p]}")] for g, p in labels],
+        "tokamax (ep_comm's config)": [by[(g, p, "tokamax ep_comm default")] for g, p in labels],
+    }
+    _bars(ax, labels, series, lambda label, j, v: f"{v:.2f}x")
     ax.axhline(1.0, color="grey", linewidth=1)
-    ax.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylabel("x dense einsums (same FLOPs, same run)")
-    ax.set_title("MoE layer by grouped GEMM, one H200 (bf16)", fontsize=9)
+    ax.set_ylim(0, 1.3 * max(max(v) for v in series.values()))  # (room for the legend)
+    ax.set_xticks(range(len(labels)), [f"{g}\n{p}" for g, p in labels], fontsize=8)
+    ax.set_ylabel("x dense einsum (same FLOPs, same run)")
+    ax.set_title("grouped GEMM passes, one H200 (DeepSeek-V3 EP8 rank, bf16)", fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
 
-
 PLOTS = {"dispatch_combine.png": dispatch_combine, "layer_vs_dense.png": layer_vs_dense,
-         "overlap_chunks.png": overlap_chunks, "tpu_layer.png": tpu_layer}
+         "overlap_chunks.png": overlap_chunks, "tpu_layer.png": tpu_layer,
+         "cutlass_passes.png": cutlass_passes}
 
 
 def main(out: str) -> list[str]:
