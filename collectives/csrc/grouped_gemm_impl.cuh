@@ -41,7 +41,7 @@ using Problem = ProblemShape::UnderlyingProblemShape;
 // The tile configs compiled in (the handler's "config" attribute picks one per call):
 //   0 cooperative: two consumer warpgroups share a 128x256 tile (64-deep K steps);
 //   1 ping-pong: each consumer warpgroup owns a 128x128 tile, one's epilogue under the other's
-//     mainloop (for short K, as drhs's ragged K of a few hundred rows per group);
+//     mainloop (meant for short K, as drhs's ragged K; on an H200 the clusters did better);
 //   2 cooperative 256x128 in clusters of 1x2 (each A tile multicast by TMA to the two CTAs of
 //     a cluster: CUTLASS's example 57 for grouped problems);
 //   3 cooperative 128x256 in clusters of 2x1 (each B tile multicast to two CTAs).
@@ -54,18 +54,16 @@ struct TileConfig {
   using KernelSchedule = Kernel;
   using EpilogueSchedule = Epi;
 };
-using Cooperative = TileConfig<Shape<_128, _256, _64>, Shape<_1, _1, _1>,
-                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+template <class Tile, class Cluster>
+using CooperativeConfig = TileConfig<Tile, Cluster,
+                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+using Cooperative = CooperativeConfig<Shape<_128, _256, _64>, Shape<_1, _1, _1>>;
 using Pingpong = TileConfig<Shape<_128, _128, _64>, Shape<_1, _1, _1>,
                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                             cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-using CooperativeTallCluster = TileConfig<Shape<_256, _128, _64>, Shape<_1, _2, _1>,
-                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-using CooperativeWideCluster = TileConfig<Shape<_128, _256, _64>, Shape<_2, _1, _1>,
-                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+using CooperativeTallCluster = CooperativeConfig<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
+using CooperativeWideCluster = CooperativeConfig<Shape<_128, _256, _64>, Shape<_2, _1, _1>>;
 constexpr int kConfigs = 4;
 
 // Calls f with config `config`'s TileConfig (a default-constructed tag).
