@@ -77,17 +77,18 @@ def emit(reports, table_fn, json_path=None) -> list:
     """Run the (lazy) ``reports``, printing each as a table on process 0 as it completes and
     rewriting ``json_path`` with those done so far (a run cut short by a time limit keeps what it
     measured); returns them."""
-    done = []
+    done, main = [], jax.process_index() == 0
+
+    def save():
+        if json_path and main:
+            with open(json_path, "w") as f:
+                json.dump(done, f, indent=1)
+    save()
     for rep in reports:
         done.append(rep)
-        if jax.process_index() == 0:
+        if main:
             print(table_fn(rep), flush=True)
-            if json_path:
-                with open(json_path, "w") as f:
-                    json.dump(done, f, indent=1)
-    if json_path and jax.process_index() == 0 and not done:
-        with open(json_path, "w") as f:
-            json.dump(done, f, indent=1)
+        save()
     return done
 
 

@@ -54,7 +54,7 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
     return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: the problem is too large for "
                                        "its grid");
   }
-  if (p.G == 0 || tiles_m * tiles_n == 0) return ffi::Error::Success();  // no group, no tile
+  if (p.G == 0) return ffi::Error::Success();  // no group: every tile would return at once
   // config 2: B's TMA descriptor over w, encoded here (w's address changes from call to call)
   if (T::kTmaB && reinterpret_cast<uintptr_t>(p.w) % 16 != 0) {
     return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: config 2 (B by TMA) needs w "
