@@ -72,6 +72,18 @@ struct NoTma {};  // the kernel's TMA argument where B is copied by cp.async
 // LayoutA: RowMajor (A K-major: the forward's rows) or ColumnMajor (A M-major: the weight
 // gradient's x^T, whose K is the pairs); LayoutB: RowMajor (B N-major: w[g] as the forward
 // takes it) or ColumnMajor (B K-major: w_out[g]^T in place, for kDSwiGLU)
+// The mainloop collective M with its B swizzle atom replaced by AtomB.
+template <class M, class AtomB>
+struct WithAtomB;
+template <class DP, class TS, class EA, class SA, class EB, class SB, class TM, class GA,
+          class LA, class CA, class XA, class GB, class LB, class CB, class XB, class AtomB>
+struct WithAtomB<cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, TM, GA, LA, CA,
+                                                          XA, GB, LB, CB, XB>,
+                 AtomB> {
+  using type = cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, TM, GA, LA, CA,
+                                                        XA, GB, AtomB, CB, XB>;
+};
+
 template <class E, class Config, class LayoutA = cutlass::layout::RowMajor,
           class LayoutB = cutlass::layout::RowMajor>
 struct Traits {
@@ -79,11 +91,23 @@ struct Traits {
   static constexpr int BM = size<0>(TileShape{});
   static constexpr int BN = size<1>(TileShape{});
   static constexpr int BK = size<2>(TileShape{});
+  // B by TMA (Config::kTmaB, B N-major): see TmaArg below
+  static constexpr bool kTmaB =
+      Config::kTmaB && std::is_same_v<LayoutB, cutlass::layout::RowMajor>;
   // A (M x K) K-major (or M-major), B (K x N) N-major, as the passes lay them out
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Built = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LayoutA, 8, E, LayoutB, 8, float,
       TileShape, Shape<_1, _1, _1>,
       cutlass::gemm::collective::StageCountAuto, typename Config::Schedule>::CollectiveOp;
+  // With B by TMA, B's stage is laid out K first, as CUTLASS's TMA mainloops lay an N-major
+  // operand out: the builder's 128-byte swizzle atom (64 columns x 8 K rows) repeated along
+  // the K tile makes one atom of 64 columns x BK, 8 KB contiguous, and a TMA box of that size
+  // (the cp.async mainloop tiles N first: each 64 x 8 atom would be a 1 KB box of its own)
+  using BigAtomB = decltype(tile_to_shape(typename Built::SmemLayoutAtomB{},
+                                          Shape<decltype(size<0>(typename Built::SmemLayoutAtomB{})),
+                                                Int<BK>>{}));
+  using Mainloop =
+      std::conditional_t<kTmaB, typename WithAtomB<Built, BigAtomB>::type, Built>;
   using TiledMma = typename Mainloop::TiledMma;
   using SmemLayoutA = typename Mainloop::SmemLayoutA;  // (BM, BK, stages)
   using SmemLayoutB = typename Mainloop::SmemLayoutB;  // (BN, BK, stages)
@@ -99,11 +123,9 @@ struct Traits {
     alignas(16) typename Mainloop::PipelineStorage pipeline;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  // B by TMA (Config::kTmaB, B N-major): w (G, K, N) seen as (N, K, G), one copy per half tile
-  // of BN / 2 columns (SwiGLU's gate and up halves lie apart in w), into the mainloop's own
-  // swizzled stage layout; out-of-range columns and K rows arrive as zeros
-  static constexpr bool kTmaB =
-      Config::kTmaB && std::is_same_v<LayoutB, cutlass::layout::RowMajor>;
+  // B by TMA (kTmaB): w (G, K, N) seen as (N, K, G), one copy per half tile of BN / 2 columns
+  // (SwiGLU's gate and up halves lie apart in w), into the mainloop's swizzled stage layout;
+  // out-of-range columns and K rows arrive as zeros
   using BHalf = Shape<Int<BN / 2>, Int<BK>>;
   using SmemLayoutBHalf =
       decltype(flat_divide(SmemLayoutB{}(_, _, Int<0>{}), BHalf{})(_, _, Int<0>{}, Int<0>{}));
@@ -252,8 +274,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     using AtomB = typename T::Mainloop::SmemLayoutAtomB;
     static_assert(BK == 64 && size<1>(AtomA{}) == 64 && 16 % size<0>(AtomA{}) == 0,
                   "A: one 128-byte swizzle atom spans the K tile");
-    static_assert(EPI == kDSwiGLU || (BN % 128 == 0 && 128 % size<0>(AtomB{}) == 0 &&
-                                      8 % size<1>(AtomB{}) == 0),
+    static_assert(EPI == kDSwiGLU || T::kTmaB || (BN % 128 == 0 && 128 % size<0>(AtomB{}) == 0 &&
+                                                  8 % size<1>(AtomB{}) == 0),
                   "B: 128 columns and 8 K rows are whole swizzle atoms");
     constexpr int kA = BM / 16, kNh = BN / 128, kKa = BK / 8;
     const int kc = (t % 8) * 8, n = (t % 16) * 8, kb = t / 16;
