@@ -21,6 +21,20 @@ inline bool hopper() {
   return yes;
 }
 
+// The SMs of this process's first device (its Hopper GPUs alike): the persistent kernels'
+// grids. 0 where it cannot be read.
+inline int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    return cudaGetDevice(&device) == cudaSuccess &&
+                   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) ==
+                       cudaSuccess
+               ? sms
+               : 0;
+  }();
+  return count;
+}
+
 // The fused kernels' CTA order over their (row tile, column tile) grid: strips of kStrip row
 // tiles, each strip walked one column tile at a time (its kStrip row tiles of column 0, then of
 // column 1, ...), so the CTAs resident at once share a few A row tiles and each B column tile in

@@ -50,11 +50,10 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
   }
   int64_t tiles_m, tiles_n;
   grid_tiles<T>(p, tiles_m, tiles_n);
-  if (tiles_m * tiles_n > INT32_MAX) {
-    return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: the problem is too large for "
-                                       "its grid");
-  }
   if (p.G == 0) return ffi::Error::Success();  // no group: every tile would return at once
+  // the kernel is persistent: one CTA per SM (its shared memory holds one) walks the tiles
+  const int sms = detail::sm_count();
+  if (sms <= 0) return ffi::Error::Internal(cuda_error("the device's SM count"));
   // config 2: B's TMA descriptor over w, encoded here (w's address changes from call to call)
   if (T::kTmaB && reinterpret_cast<uintptr_t>(p.w) % 16 != 0) {
     return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: config 2 (B by TMA) needs w "
@@ -68,7 +67,8 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
       return NoTma{};
     }
   }();
-  kernel<T, E, EPI><<<unsigned(tiles_m * tiles_n), T::kThreads, T::kSmemBytes, stream>>>(p, tma);
+  const unsigned ctas = unsigned(std::min<int64_t>(tiles_m * tiles_n, sms));
+  kernel<T, E, EPI><<<ctas, T::kThreads, T::kSmemBytes, stream>>>(p, tma);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("launch"));
 }

@@ -103,9 +103,9 @@ struct Traits {
   // operand out: the builder's 128-byte swizzle atom (64 columns x 8 K rows) repeated along
   // the K tile makes one atom of 64 columns x BK, 8 KB contiguous, and a TMA box of that size
   // (the cp.async mainloop tiles N first: each 64 x 8 atom would be a 1 KB box of its own)
-  using BigAtomB = decltype(tile_to_shape(typename Built::SmemLayoutAtomB{},
-                                          Shape<decltype(size<0>(typename Built::SmemLayoutAtomB{})),
-                                                Int<BK>>{}));
+  using AtomB = typename Built::SmemLayoutAtomB;
+  using BigAtomB =
+      decltype(tile_to_shape(AtomB{}, Shape<decltype(size<0>(AtomB{})), Int<BK>>{}));
   using Mainloop =
       std::conditional_t<kTmaB, typename WithAtomB<Built, BigAtomB>::type, Built>;
   using TiledMma = typename Mainloop::TiledMma;
@@ -193,26 +193,27 @@ CUTLASS_DEVICE typename T::Pipeline make_pipeline(typename T::SharedStorage& sha
   return Pipeline(shared.pipeline, pp);
 }
 
-// The consumers' part: CUTLASS's GMMA mainloop over k_tiles stages, then the accumulators and
-// the same partition of the tile's (row, column) coordinates. ct: the thread among the consumers.
+// The consumers' part: CUTLASS's GMMA mainloop over k_tiles stages from `read` (advanced past
+// them: a persistent CTA's next tile reads on), then the accumulators and the same partition of
+// the tile's (row, column) coordinates. ct: the thread among the consumers.
 template <class T>
 CUTLASS_DEVICE auto consume(typename T::Pipeline& pipeline, typename T::SharedStorage& shared,
-                            int k_tiles, int ct) {
-  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+                            int k_tiles, int ct, typename T::Pipeline::PipelineState& read) {
   typename T::TiledMma mma;
   Tensor acc = partition_fragment_C(mma, take<0, 2>(typename T::TileShape{}));
   typename T::Mainloop mainloop;
   typename T::Mainloop::Params none{};
-  typename T::Pipeline::PipelineState read;
   mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
   mainloop.mma_tail(pipeline, read, k_tiles);
+  read.advance(k_tiles);
   Tensor coord = mma.get_slice(ct).partition_C(
       make_identity_tensor(take<0, 2>(typename T::TileShape{})));
   return cute::make_tuple(acc, coord);
 }
 
-// The fused kernel's grid: every group's row tiles, at most M / BM + G of them (CTAs past the
-// last tile return), by the accumulator's column tiles; one CTA per tile, 1-D.
+// The fused kernel's tiles: every group's row tiles, at most M / BM + G of them (the ones past
+// the last are skipped), by the accumulator's column tiles. The kernel is persistent: a 1-D grid
+// of at most one CTA per SM (launch's persistent_ctas) walks them in strides of its size.
 template <class T, class Ep>
 CUTLASS_HOST_DEVICE void grid_tiles(const Params<Ep>& p, int64_t& tiles_m, int64_t& tiles_n) {
   tiles_m = (p.M + T::BM - 1) / T::BM + p.G;
@@ -231,29 +232,34 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   extern __shared__ __align__(128) char smem_raw[];
   auto& shared = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
-  // This CTA's tile (detail::strip_tile's order over the launch's grid_tiles): row tile `tile`
-  // over the groups in order (each group's rows cut into tiles of BM; groups clamped as
-  // fill_groups does), column tile tile_n.
-  int64_t tiles_m, tiles_n, tile, tile_n;
+  // Tile `cta` (detail::strip_tile's order over grid_tiles): row tile `tile` over the groups in
+  // order (each group's rows cut into tiles of BM; groups clamped as fill_groups does), column
+  // tile tile_n; false past the last tile (the tiles are counted for the worst case). Producer
+  // and consumers walk the same tiles, so the pipeline's stages pair up across tiles.
+  int64_t tiles_m, tiles_n;
   grid_tiles<T>(p, tiles_m, tiles_n);
-  detail::strip_tile(blockIdx.x, tiles_m, tiles_n, tile, tile_n);
-  int64_t off = 0, rows = 0, group = -1;
-  for (int64_t i = 0; i < p.G; ++i) {
-    int64_t s = p.sizes[i];
-    s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
-    const int64_t tiles = (s + BM - 1) / BM;
-    if (tile < tiles) {
-      group = i;
-      rows = s;
-      break;
+  const int64_t tiles = tiles_m * tiles_n;
+  struct Tile {
+    int64_t off, group, row0, rows_left, col0, tile_n;
+  };
+  auto locate = [&](int64_t cta, Tile& tl) {
+    int64_t tile, tile_n;
+    detail::strip_tile(cta, tiles_m, tiles_n, tile, tile_n);
+    int64_t off = 0;
+    for (int64_t i = 0; i < p.G; ++i) {
+      int64_t s = p.sizes[i];
+      s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
+      const int64_t in_group = (s + BM - 1) / BM;
+      if (tile < in_group) {
+        // row0: the tile's first row within the group; rows_left: its rows there (may be < BM)
+        tl = Tile{off, i, tile * BM, s - tile * BM, tile_n * BN, tile_n};
+        return true;
+      }
+      tile -= in_group;
+      off += s;
     }
-    tile -= tiles;
-    off += s;
-  }
-  if (group < 0) return;  // past the last tile (the grid is sized for the worst case)
-  const int64_t row0 = tile * BM;              // first row of the tile within the group
-  const int64_t rows_left = rows - row0;       // rows of the tile in the group (may be < BM)
-  const int64_t col0 = tile_n * BN;
+    return false;
+  };
   const int k_tiles = int((p.K + BK - 1) / BK);
 
   const int wg = cutlass::canonical_warp_group_idx();
@@ -286,18 +292,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const uint32_t a_first = at(sA, t / 8, kc) - a_base, a_step = at(sA, 16, 0) - a_base;
     const uint32_t b_first = at(sB, n, kb) - b_base, b_nstep = at(sB, 128, 0) - b_base,
                    b_kstep = at(sB, 0, 8) - b_base;
-    int32_t a_src[kA];  // x's row of each A row of this thread (-1: zeros)
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kA; ++j) {
-      const int r = t / 8 + 16 * j;
-      int32_t src = -1;
-      if (r < rows_left) {
-        const int64_t pair = off + row0 + r;
-        const int64_t xr = p.index ? int64_t(p.index[pair]) : pair;
-        if (xr >= 0 && xr < p.X) src = int32_t(xr);  // a malformed index reads zeros
-      }
-      a_src[j] = src;
-    }
     // kDSwiGLU's B (w_out[g]^T, K-major in place): thread t copies chunk t % 8 of the tile's
     // rows (output columns) t / 8 + 16 j, whole 8 x 64 swizzle atoms per step, as A
     [[maybe_unused]] uint32_t bk_first = 0, bk_step = 0;
@@ -307,180 +301,207 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       bk_first = at(sB, t / 8, kc) - b_base;
       bk_step = at(sB, 16, 0) - b_base;
     }
-    // B's columns of 128-wide block nh: col0 + 128 nh, or with SwiGLU the gate block (the
-    // first half of the tile) and the up block (the second) of output columns jb + ...
-    const int64_t jb = tile_n * (BN / 2), half_n = p.N / 2;
-    const Ep* w = p.w + group * p.K * p.N + n;
-    int64_t b_col[kNh];
-    bool b_ok[kNh];
-    CUTLASS_PRAGMA_UNROLL
-    for (int nh = 0; nh < kNh; ++nh) {
-      if constexpr (EPI == kSwiGLU) {
-        const int64_t j = jb + (nh % (kNh / 2)) * 128 + n;
-        b_col[nh] = (nh < kNh / 2 ? 0 : half_n) + j - n;
-        b_ok[nh] = j < half_n;
-      } else {
-        b_col[nh] = col0 + 128 * nh;
-        b_ok[nh] = col0 + 128 * nh + n < p.N;
-      }
-    }
-    // TMA: half hf of the tile (columns [0, BN / 2) of the stage, then the rest) reads w's
-    // columns from its first: SwiGLU's gate jb and up half_n + jb, else col0 and col0 + BN / 2
-    auto tma_parts = [&] {
-      if constexpr (T::kTmaB) {
-        Tensor mB = tma_b.get_tma_tensor(make_shape(int32_t(p.N), int32_t(p.K), int32_t(p.G)));
-        Tensor mBg = mB(_, _, int32_t(group));
-        Tensor sBh = flat_divide(sB, typename T::BHalf{});  // (BN / 2, BK, 2, 1, stages)
-        auto cta = tma_b.get_slice(Int<0>{});
-        auto part = [&](int hf) {
-          const int32_t c = EPI == kSwiGLU ? int32_t((hf ? half_n : 0) + jb)
-                                           : int32_t(col0 + hf * (BN / 2));
-          Tensor gB = local_tile(domain_offset(make_coord(c, 0), mBg), typename T::BHalf{},
-                                 make_coord(0, _));  // (BN / 2, BK, k tiles)
-          return cute::make_tuple(cta.partition_S(gB), cta.partition_D(sBh(_, _, hf, 0, _)));
-        };
-        return cute::make_tuple(part(0), part(1));  // ((source, destination) per half)
-      } else {
-        return 0;
-      }
-    };
-    [[maybe_unused]] auto tma_io = tma_parts();
     State write = cutlass::make_producer_start_state<Pipeline>();
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      pipeline.producer_acquire(write);
-      const uint32_t sa = a_base + write.index() * a_stage + a_first;
-      const uint32_t sb = b_base + write.index() * b_stage + b_first;
-      const int64_t k0 = int64_t(kt) * BK;
-      const bool ka_ok = k0 + kc < p.K;
+    for (int64_t cta = blockIdx.x; cta < tiles; cta += gridDim.x) {
+      Tile tl;
+      if (!locate(cta, tl)) continue;
+      const int64_t off = tl.off, group = tl.group, row0 = tl.row0,
+                    rows_left = tl.rows_left, col0 = tl.col0, tile_n = tl.tile_n;
+      int32_t a_src[kA];  // x's row of each A row of this thread (-1: zeros)
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kA; ++j) {
-        const bool ok = ka_ok && a_src[j] >= 0;
-        cp_async_16(sa + j * a_step, ok ? p.x + int64_t(a_src[j]) * p.K + k0 + kc : p.x,
-                    ok ? 16 : 0);
+        const int r = t / 8 + 16 * j;
+        int32_t src = -1;
+        if (r < rows_left) {
+          const int64_t pair = off + row0 + r;
+          const int64_t xr = p.index ? int64_t(p.index[pair]) : pair;
+          if (xr >= 0 && xr < p.X) src = int32_t(xr);  // a malformed index reads zeros
+        }
+        a_src[j] = src;
       }
-      if constexpr (T::kTmaB) {
-        if (t == 0) {  // (before this thread's arrival in producer_commit: the phase waits)
-          auto* bar = pipeline.producer_get_barrier(write);
-          cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, T::kTmaBytes);
-          auto& h0 = get<0>(tma_io);
-          auto& h1 = get<1>(tma_io);
-          copy(tma_b.with(*bar), get<0>(h0)(_, _, _, kt), get<1>(h0)(_, _, _, write.index()));
-          copy(tma_b.with(*bar), get<0>(h1)(_, _, _, kt), get<1>(h1)(_, _, _, write.index()));
+      // B's columns of 128-wide block nh: col0 + 128 nh, or with SwiGLU the gate block (the
+      // first half of the tile) and the up block (the second) of output columns jb + ...
+      const int64_t jb = tile_n * (BN / 2), half_n = p.N / 2;
+      const Ep* w = p.w + group * p.K * p.N + n;
+      int64_t b_col[kNh];
+      bool b_ok[kNh];
+      CUTLASS_PRAGMA_UNROLL
+      for (int nh = 0; nh < kNh; ++nh) {
+        if constexpr (EPI == kSwiGLU) {
+          const int64_t j = jb + (nh % (kNh / 2)) * 128 + n;
+          b_col[nh] = (nh < kNh / 2 ? 0 : half_n) + j - n;
+          b_ok[nh] = j < half_n;
+        } else {
+          b_col[nh] = col0 + 128 * nh;
+          b_ok[nh] = col0 + 128 * nh + n < p.N;
         }
-      } else if constexpr (EPI == kDSwiGLU) {
-        const uint32_t sbk = b_base + write.index() * b_stage + bk_first;
-        const Ep* wk = p.w + group * p.N * p.K + k0 + kc;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < BN / 16; ++j) {
-          const int64_t col = col0 + t / 8 + 16 * j;
-          const bool ok = ka_ok && col < p.N;
-          cp_async_16(sbk + j * bk_step, ok ? wk + col * p.K : p.w, ok ? 16 : 0);
+      }
+      // TMA: half hf of the tile (columns [0, BN / 2) of the stage, then the rest) reads w's
+      // columns from its first: SwiGLU's gate jb and up half_n + jb, else col0 and col0 + BN / 2
+      auto tma_parts = [&] {
+        if constexpr (T::kTmaB) {
+          Tensor mB = tma_b.get_tma_tensor(make_shape(int32_t(p.N), int32_t(p.K), int32_t(p.G)));
+          Tensor mBg = mB(_, _, int32_t(group));
+          Tensor sBh = flat_divide(sB, typename T::BHalf{});  // (BN / 2, BK, 2, 1, stages)
+          auto cta = tma_b.get_slice(Int<0>{});
+          auto part = [&](int hf) {
+            const int32_t c = EPI == kSwiGLU ? int32_t((hf ? half_n : 0) + jb)
+                                             : int32_t(col0 + hf * (BN / 2));
+            Tensor gB = local_tile(domain_offset(make_coord(c, 0), mBg), typename T::BHalf{},
+                                   make_coord(0, _));  // (BN / 2, BK, k tiles)
+            return cute::make_tuple(cta.partition_S(gB), cta.partition_D(sBh(_, _, hf, 0, _)));
+          };
+          return cute::make_tuple(part(0), part(1));  // ((source, destination) per half)
+        } else {
+          return 0;
         }
-      } else {
+      };
+      [[maybe_unused]] auto tma_io = tma_parts();
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        pipeline.producer_acquire(write);
+        const uint32_t sa = a_base + write.index() * a_stage + a_first;
+        const uint32_t sb = b_base + write.index() * b_stage + b_first;
+        const int64_t k0 = int64_t(kt) * BK;
+        const bool ka_ok = k0 + kc < p.K;
         CUTLASS_PRAGMA_UNROLL
-        for (int nh = 0; nh < kNh; ++nh) {
+        for (int j = 0; j < kA; ++j) {
+          const bool ok = ka_ok && a_src[j] >= 0;
+          cp_async_16(sa + j * a_step, ok ? p.x + int64_t(a_src[j]) * p.K + k0 + kc : p.x,
+                      ok ? 16 : 0);
+        }
+        if constexpr (T::kTmaB) {
+          if (t == 0) {  // (before this thread's arrival in producer_commit: the phase waits)
+            auto* bar = pipeline.producer_get_barrier(write);
+            cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, T::kTmaBytes);
+            auto& h0 = get<0>(tma_io);
+            auto& h1 = get<1>(tma_io);
+            copy(tma_b.with(*bar), get<0>(h0)(_, _, _, kt), get<1>(h0)(_, _, _, write.index()));
+            copy(tma_b.with(*bar), get<0>(h1)(_, _, _, kt), get<1>(h1)(_, _, _, write.index()));
+          }
+        } else if constexpr (EPI == kDSwiGLU) {
+          const uint32_t sbk = b_base + write.index() * b_stage + bk_first;
+          const Ep* wk = p.w + group * p.N * p.K + k0 + kc;
           CUTLASS_PRAGMA_UNROLL
-          for (int ka = 0; ka < kKa; ++ka) {
-            const int64_t k = k0 + kb + 8 * ka;
-            const bool ok = b_ok[nh] && k < p.K;
-            cp_async_16(sb + nh * b_nstep + ka * b_kstep, ok ? w + k * p.N + b_col[nh] : p.w,
-                        ok ? 16 : 0);
+          for (int j = 0; j < BN / 16; ++j) {
+            const int64_t col = col0 + t / 8 + 16 * j;
+            const bool ok = ka_ok && col < p.N;
+            cp_async_16(sbk + j * bk_step, ok ? wk + col * p.K : p.w, ok ? 16 : 0);
+          }
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int nh = 0; nh < kNh; ++nh) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int ka = 0; ka < kKa; ++ka) {
+              const int64_t k = k0 + kb + 8 * ka;
+              const bool ok = b_ok[nh] && k < p.K;
+              cp_async_16(sb + nh * b_nstep + ka * b_kstep, ok ? w + k * p.N + b_col[nh] : p.w,
+                          ok ? 16 : 0);
+            }
           }
         }
+        pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive);
+        ++write;
       }
-      pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive);
-      ++write;
     }
     pipeline.producer_tail(write);
   } else {  // consumers: CUTLASS's GMMA mainloop, then the epilogue on the accumulators
-    auto [acc, coord] = consume<T>(pipeline, shared, k_tiles, threadIdx.x - T::kProducers);
-    static_assert(decltype(size(acc))::value % 2 == 0, "accumulators come in column pairs");
-    if constexpr (EPI == kDSwiGLU) {
-      // values (2, 2, BN / 8) per M block: 2i, 2i + 1 are columns c, c + 1 of one row, value
-      // bit 1 picks the row (r or r + 8), and the 4 lanes of a quad hold the same rows: each
-      // thread sums its columns of a row, the quad adds its 4 sums
-      static_assert(decltype(size<2>(acc))::value == 1, "one GMMA N block per tile");
-      constexpr int kMb = decltype(size<1>(acc))::value;
-      float part[2 * kMb];
-      const int64_t two_n = 2 * p.N;
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kMb; ++m) {
-        part[2 * m] = part[2 * m + 1] = 0.f;
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    State read;
+    for (int64_t cta = blockIdx.x; cta < tiles; cta += gridDim.x) {
+      Tile tl;
+      if (!locate(cta, tl)) continue;
+      const int64_t off = tl.off, row0 = tl.row0, rows_left = tl.rows_left,
+                    col0 = tl.col0, tile_n = tl.tile_n;
+      auto [acc, coord] =
+          consume<T>(pipeline, shared, k_tiles, threadIdx.x - T::kProducers, read);
+      static_assert(decltype(size(acc))::value % 2 == 0, "accumulators come in column pairs");
+      if constexpr (EPI == kDSwiGLU) {
+        // values (2, 2, BN / 8) per M block: 2i, 2i + 1 are columns c, c + 1 of one row, value
+        // bit 1 picks the row (r or r + 8), and the 4 lanes of a quad hold the same rows: each
+        // thread sums its columns of a row, the quad adds its 4 sums
+        static_assert(decltype(size<2>(acc))::value == 1, "one GMMA N block per tile");
+        constexpr int kMb = decltype(size<1>(acc))::value;
+        float part[2 * kMb];
+        const int64_t two_n = 2 * p.N;
         CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < size<0>(acc); v += 2) {
-          const int r = get<0>(coord(v, m, 0));
-          const int64_t c = col0 + get<1>(coord(v, m, 0));
-          if (r >= rows_left || c >= p.N) continue;
-          const int64_t row = off + row0 + r;
-          const float s = p.scale[row];
-          const Ep* ur = p.u + row * two_n;
-          cutlass::Array<Ep, 2> dg, du;
+        for (int m = 0; m < kMb; ++m) {
+          part[2 * m] = part[2 * m + 1] = 0.f;
           CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const float dhw = acc(v + e, m, 0), dh = dhw * s;
-            part[2 * m + (v / 2) % 2] += dhw * float(p.h[row * p.N + c + e]);
-            const float gate = float(ur[c + e]), up = float(ur[p.N + c + e]);
-            const float sig = 1.0f / (1.0f + __expf(-gate));
-            dg[e] = Ep(dh * up * sig * (1.0f + gate * (1.0f - sig)));
-            du[e] = Ep(dh * gate * sig);
-          }
-          Ep* out = p.out + row * two_n;
-          *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + c) = dg;
-          *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + p.N + c) = du;
-        }
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kMb; ++m) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          float v = part[2 * m + half];
-          v += __shfl_xor_sync(0xffffffff, v, 1);
-          v += __shfl_xor_sync(0xffffffff, v, 2);
-          const int r = get<0>(coord(2 * half, m, 0));  // (value 2: the row + 8)
-          if (threadIdx.x % 4 == 0 && r < rows_left) {
-            p.part[(off + row0 + r) * tiles_n + tile_n] = v;
+          for (int v = 0; v < size<0>(acc); v += 2) {
+            const int r = get<0>(coord(v, m, 0));
+            const int64_t c = col0 + get<1>(coord(v, m, 0));
+            if (r >= rows_left || c >= p.N) continue;
+            const int64_t row = off + row0 + r;
+            const float s = p.scale[row];
+            const Ep* ur = p.u + row * two_n;
+            cutlass::Array<Ep, 2> dg, du;
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              const float dhw = acc(v + e, m, 0), dh = dhw * s;
+              part[2 * m + (v / 2) % 2] += dhw * float(p.h[row * p.N + c + e]);
+              const float gate = float(ur[c + e]), up = float(ur[p.N + c + e]);
+              const float sig = 1.0f / (1.0f + __expf(-gate));
+              dg[e] = Ep(dh * up * sig * (1.0f + gate * (1.0f - sig)));
+              du[e] = Ep(dh * gate * sig);
+            }
+            Ep* out = p.out + row * two_n;
+            *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + c) = dg;
+            *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + p.N + c) = du;
           }
         }
-      }
-    } else if constexpr (EPI == kSwiGLU) {
-      // GMMA's accumulators (values (2, 2, BN / 8), M blocks, 1 N block): a thread holds the
-      // same columns of both tile halves; value v < BN / 4 (per M block) is a gate column, v
-      // + BN / 4 its up column, and values 2i, 2i + 1 are adjacent columns of one row
-      static_assert(T::BN == 256 && decltype(size<2>(acc))::value == 1 &&
-                    decltype(size<0>(acc))::value == T::BN / 2,
-                    "SwiGLU pairs the halves of a 256-wide tile's single GMMA N block");
-      constexpr int kHalf = T::BN / 4;
-      const int64_t half_n = p.N / 2, jb = tile_n * (T::BN / 2);
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < size<1>(acc); ++m) {
         CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < kHalf; v += 2) {
-          const int r = get<0>(coord(v, m, 0));
-          const int64_t j = jb + get<1>(coord(v, m, 0));
-          if (r >= rows_left || j >= half_n) continue;
-          cutlass::Array<Ep, 2> pair;  // (j even, I a multiple of 8: a 4-byte aligned store)
-          pair[0] = Ep(silu(acc(v, m, 0)) * acc(v + kHalf, m, 0));
-          pair[1] = Ep(silu(acc(v + 1, m, 0)) * acc(v + 1 + kHalf, m, 0));
-          *reinterpret_cast<cutlass::Array<Ep, 2>*>(p.out + (off + row0 + r) * half_n + j) = pair;
+        for (int m = 0; m < kMb; ++m) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            float v = part[2 * m + half];
+            v += __shfl_xor_sync(0xffffffff, v, 1);
+            v += __shfl_xor_sync(0xffffffff, v, 2);
+            const int r = get<0>(coord(2 * half, m, 0));  // (value 2: the row + 8)
+            if (threadIdx.x % 4 == 0 && r < rows_left) {
+              p.part[(off + row0 + r) * tiles_n + tile_n] = v;
+            }
+          }
         }
-      }
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc); i += 2) {
-        // values 2i and 2i + 1 of a thread are columns c, c + 1 of one row (c even)
-        const int r = get<0>(coord(i));
-        const int64_t c = col0 + get<1>(coord(i));
-        if (r >= rows_left || c >= p.N) continue;
-        float v0 = acc(i), v1 = acc(i + 1);
-        if constexpr (EPI == kScale) {
-          const float s = p.scale[off + row0 + r];
-          v0 *= s;
-          v1 *= s;
+      } else if constexpr (EPI == kSwiGLU) {
+        // GMMA's accumulators (values (2, 2, BN / 8), M blocks, 1 N block): a thread holds the
+        // same columns of both tile halves; value v < BN / 4 (per M block) is a gate column, v
+        // + BN / 4 its up column, and values 2i, 2i + 1 are adjacent columns of one row
+        static_assert(T::BN == 256 && decltype(size<2>(acc))::value == 1 &&
+                      decltype(size<0>(acc))::value == T::BN / 2,
+                      "SwiGLU pairs the halves of a 256-wide tile's single GMMA N block");
+        constexpr int kHalf = T::BN / 4;
+        const int64_t half_n = p.N / 2, jb = tile_n * (T::BN / 2);
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < size<1>(acc); ++m) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int v = 0; v < kHalf; v += 2) {
+            const int r = get<0>(coord(v, m, 0));
+            const int64_t j = jb + get<1>(coord(v, m, 0));
+            if (r >= rows_left || j >= half_n) continue;
+            cutlass::Array<Ep, 2> pair;  // (j even, I a multiple of 8: a 4-byte aligned store)
+            pair[0] = Ep(silu(acc(v, m, 0)) * acc(v + kHalf, m, 0));
+            pair[1] = Ep(silu(acc(v + 1, m, 0)) * acc(v + 1 + kHalf, m, 0));
+            *reinterpret_cast<cutlass::Array<Ep, 2>*>(p.out + (off + row0 + r) * half_n + j) = pair;
+          }
         }
-        cutlass::Array<Ep, 2> pair;  // (c even, N a multiple of 8: a 4-byte aligned store)
-        pair[0] = Ep(v0);
-        pair[1] = Ep(v1);
-        *reinterpret_cast<cutlass::Array<Ep, 2>*>(p.out + (off + row0 + r) * p.N + c) = pair;
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc); i += 2) {
+          // values 2i and 2i + 1 of a thread are columns c, c + 1 of one row (c even)
+          const int r = get<0>(coord(i));
+          const int64_t c = col0 + get<1>(coord(i));
+          if (r >= rows_left || c >= p.N) continue;
+          float v0 = acc(i), v1 = acc(i + 1);
+          if constexpr (EPI == kScale) {
+            const float s = p.scale[off + row0 + r];
+            v0 *= s;
+            v1 *= s;
+          }
+          cutlass::Array<Ep, 2> pair;  // (c even, N a multiple of 8: a 4-byte aligned store)
+          pair[0] = Ep(v0);
+          pair[1] = Ep(v1);
+          *reinterpret_cast<cutlass::Array<Ep, 2>*>(p.out + (off + row0 + r) * p.N + c) = pair;
+        }
       }
     }
   }
@@ -574,7 +595,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) 
     }
     pipeline.producer_tail(write);
   } else {
-    auto [acc, coord] = consume<T>(pipeline, shared, k_tiles, threadIdx.x - T::kProducers);
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    State read;
+    auto [acc, coord] =
+        consume<T>(pipeline, shared, k_tiles, threadIdx.x - T::kProducers, read);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i += 2) {  // values 2i, 2i + 1: columns c, c + 1 of one row
       const int64_t r = m0 + get<0>(coord(i)), c = col0 + get<1>(coord(i));

@@ -180,15 +180,6 @@ static __global__ void zero_groups_kernel(uint4* out, const int32_t* sizes, int6
 
 inline std::string cuda_str(cudaError_t e) { return std::string(cudaGetErrorString(e)); }
 
-inline int sm_count() {
-  static int count = [] {
-    int device = 0;
-    cudaGetDevice(&device);
-    return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-  }();
-  return count;
-}
-
 // Device memory for the handler: XLA's scratch allocator inside XLA, cudaMallocAsync outside
 // (the selftest).
 struct Memory {
