@@ -479,8 +479,9 @@ def test_fused_forward_rules():
 def test_fused_forward_kernel_equals_its_reference(rng, dtype):
     """The fused kernel (gathered rows, each epilogue and tile config) and the gathered weight
     gradient against their references at malformed sizes and indices, the selftest (what
-    compute-sanitizer runs), and the same bits twice. The last case has more tiles (about 200)
-    than an H200 has SMs, so a persistent CTA walks on to a second tile."""
+    compute-sanitizer runs), and the same bits twice. The last case has more tiles than an H200
+    has SMs (the forward's about 200, the weight gradient's 160), so a persistent CTA walks on
+    to a second."""
     from collectives import bootstrap
     assert bootstrap.load("gemm")[0].fused_selftest() == 0
     for sizes, M in (([40, 0, 131, 1, 9], 181), ([7, -3, 500, 9, 2], 150), ([0] * 5, 64),
@@ -518,11 +519,13 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
                                        want_ds[:rows_in], rtol=2 ** -6,
                                        atol=2 ** -6 * (1 + np.abs(want_ds).max()),
                                        err_msg=f"dswiglu part config {config} sizes {sizes}")
-        dy = jnp.asarray(rng.standard_normal((M, 136)), jnp.dtype(dtype))
-        want = np.asarray(grouped_gemm.gathered_drhs_reference(x, dy, gs, index=index),
+        # (in the last case, 8 x 4 output tiles of 5 groups: more than the SMs)
+        xd = x if M < 1000 else jnp.asarray(rng.standard_normal((96, 1024)), jnp.dtype(dtype))
+        dy = jnp.asarray(rng.standard_normal((M, 136 if M < 1000 else 1024)), jnp.dtype(dtype))
+        want = np.asarray(grouped_gemm.gathered_drhs_reference(xd, dy, gs, index=index),
                           np.float64)
         for config in grouped_gemm.FUSED_BACKWARD_CONFIGS:
-            got = grouped_gemm.gathered_drhs(x, dy, gs, index=index, config=config)
+            got = grouped_gemm.gathered_drhs(xd, dy, gs, index=index, config=config)
             np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7,
                                        atol=2 ** -7 * (1 + np.abs(want).max()),
                                        err_msg=f"gathered drhs config {config} sizes {sizes}")

@@ -104,12 +104,11 @@ ffi::Error launch_drhs(cudaStream_t stream, const DrhsParams<E>& p) {
                                 std::string(cudaGetErrorString(attr)));
   }
   const int64_t tiles = ((p.K + T::BM - 1) / T::BM) * ((p.N + T::BN - 1) / T::BN);
-  if (tiles > INT32_MAX || p.G > 65535) {
-    return ffi::Error::InvalidArgument("ep_comm gathered drhs: the problem is too large for its "
-                                       "grid");
-  }
   if (tiles == 0 || p.G == 0) return ffi::Error::Success();
-  drhs_kernel<T, E><<<dim3(unsigned(tiles), unsigned(p.G)), T::kThreads, T::kSmemBytes, stream>>>(p);
+  const int sms = detail::sm_count();  // (persistent, as the forward's kernel)
+  if (sms <= 0) return ffi::Error::Internal(cuda_error("the device's SM count"));
+  drhs_kernel<T, E><<<unsigned(std::min<int64_t>(tiles * p.G, sms)), T::kThreads, T::kSmemBytes,
+                      stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("drhs launch"));
 }

@@ -201,11 +201,15 @@ CUTLASS_DEVICE auto consume(typename T::Pipeline& pipeline, typename T::SharedSt
                             int k_tiles, int ct, typename T::Pipeline::PipelineState& read) {
   typename T::TiledMma mma;
   Tensor acc = partition_fragment_C(mma, take<0, 2>(typename T::TileShape{}));
-  typename T::Mainloop mainloop;
-  typename T::Mainloop::Params none{};
-  mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
-  mainloop.mma_tail(pipeline, read, k_tiles);
-  read.advance(k_tiles);
+  if (k_tiles == 0) {  // an empty contraction (the producer loads no stage for it): zeros
+    clear(acc);
+  } else {
+    typename T::Mainloop mainloop;
+    typename T::Mainloop::Params none{};
+    mainloop.mma(pipeline, read, acc, k_tiles, ct, shared.tensors, none);
+    mainloop.mma_tail(pipeline, read, k_tiles);
+    read.advance(k_tiles);
+  }
   Tensor coord = mma.get_slice(ct).partition_C(
       make_identity_tensor(take<0, 2>(typename T::TileShape{})));
   return cute::make_tuple(acc, coord);
@@ -508,10 +512,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #endif
 }
 
-// The gathered weight gradient (DrhsParams): CTA (blockIdx.x, blockIdx.y) computes output tile
-// blockIdx.x (row-major over the K / BM x N / BN tiles) of group blockIdx.y. Its producer reads
-// both operands as rows along the contraction: A's tile is BM consecutive elements of each
-// gathered x row (M-major, a 64 x 8 swizzle atom), B's is BN of each dy row, 16-byte chunks.
+// The gathered weight gradient (DrhsParams): work item i computes output tile i % tiles (row-major
+// over the K / BM x N / BN tiles) of group i / tiles; persistent, as the forward's kernel: a 1-D
+// grid of at most one CTA per SM walks the items in strides of its size. Its producer reads both
+// operands as rows along the contraction: A's tile is BM consecutive elements of each gathered x
+// row (M-major, a 64 x 8 swizzle atom), B's is BN of each dy row, 16-byte chunks.
 template <class T, class Ep>
 __global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -521,24 +526,26 @@ __global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) 
   extern __shared__ __align__(128) char smem_raw[];
   auto& shared = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
-  const int64_t group = blockIdx.y;
-  int64_t off = 0, rows = 0;
-  for (int64_t i = 0; i <= group; ++i) {
-    int64_t s = p.sizes[i];
-    s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
-    if (i == group) rows = s; else off += s;
-  }
   const int64_t tiles_n = (p.N + BN - 1) / BN;
-  const int64_t m0 = int64_t(blockIdx.x / tiles_n) * BM, col0 = int64_t(blockIdx.x % tiles_n) * BN;
-  Ep* out = p.out + group * p.K * p.N;
-  const int k_tiles = int((rows + BK - 1) / BK);
-  if (k_tiles == 0) {  // an empty group: its gradient is zero
-    for (int i = threadIdx.x; i < BM * BN; i += T::kThreads) {
-      const int64_t r = m0 + i / BN, c = col0 + i % BN;
-      if (r < p.K && c < p.N) out[r * p.N + c] = Ep(0.f);
+  const int64_t tiles = ((p.K + BM - 1) / BM) * tiles_n;
+  struct Item {
+    int64_t off, rows, m0, col0;
+    Ep* out;
+    int k_tiles;
+  };
+  // item i: its group's first pair and pairs (clamped as fill_groups does), its tile's corner
+  auto locate = [&](int64_t i) {
+    const int64_t group = i / tiles, tile = i % tiles;
+    int64_t off = 0, rows = 0;
+    for (int64_t g = 0; g <= group; ++g) {
+      int64_t s = p.sizes[g];
+      s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
+      if (g == group) rows = s; else off += s;
     }
-    return;
-  }
+    return Item{off, rows, tile / tiles_n * BM, tile % tiles_n * BN,
+                p.out + group * p.K * p.N, int((rows + BK - 1) / BK)};
+  };
+  const int64_t items = tiles * p.G;
 
   const int wg = cutlass::canonical_warp_group_idx();
   Pipeline pipeline = make_pipeline<T>(shared);
@@ -566,47 +573,68 @@ __global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) 
     const uint32_t a_first = at(sA, c8, kb) - a_base, a_kstep = at(sA, 0, 8) - a_base;
     const uint32_t b_first = at(sB, c8, kb) - b_base, b_nstep = at(sB, 128, 0) - b_base,
                    b_kstep = at(sB, 0, 8) - b_base;
-    const bool a_col_ok = m0 + c8 < p.K;
-    const Ep* dy = p.dy + col0 + c8;
     State write = cutlass::make_producer_start_state<Pipeline>();
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      pipeline.producer_acquire(write);
-      const uint32_t sa = a_base + write.index() * a_stage + a_first;
-      const uint32_t sb = b_base + write.index() * b_stage + b_first;
-      CUTLASS_PRAGMA_UNROLL
-      for (int ka = 0; ka < kKa; ++ka) {
-        const int64_t k = int64_t(kt) * BK + kb + 8 * ka;  // the pair within the group
-        int64_t xr = -1;
-        if (k < rows) {
-          xr = p.index ? int64_t(p.index[off + k]) : off + k;
-          xr = xr >= 0 && xr < p.X ? xr : -1;  // a malformed index reads zeros
-        }
-        const bool ok = a_col_ok && xr >= 0;
-        cp_async_16(sa + ka * a_kstep, ok ? p.x + xr * p.K + m0 + c8 : p.x, ok ? 16 : 0);
+    for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+      const Item it = locate(i);
+      const bool a_col_ok = it.m0 + c8 < p.K;
+      const Ep* dy = p.dy + it.col0 + c8;
+      // x's row of each of this thread's contraction rows of a stage (-1: zeros), read one stage
+      // ahead so that the index loads' latency hides behind the copies
+      auto sources = [&](int kt, int32_t (&xr)[kKa]) {
         CUTLASS_PRAGMA_UNROLL
-        for (int nh = 0; nh < kNh; ++nh) {
-          const bool b_ok = k < rows && col0 + c8 + 128 * nh < p.N;
-          cp_async_16(sb + nh * b_nstep + ka * b_kstep,
-                      b_ok ? dy + (off + k) * p.N + 128 * nh : p.dy, b_ok ? 16 : 0);
+        for (int ka = 0; ka < kKa; ++ka) {
+          const int64_t k = int64_t(kt) * BK + kb + 8 * ka;  // the pair within the group
+          int64_t r = -1;
+          if (k < it.rows) {
+            r = p.index ? int64_t(p.index[it.off + k]) : it.off + k;
+            r = r >= 0 && r < p.X ? r : -1;  // a malformed index reads zeros
+          }
+          xr[ka] = int32_t(r);
         }
+      };
+      int32_t xr[kKa], next[kKa];
+      if (it.k_tiles > 0) sources(0, xr);
+      for (int kt = 0; kt < it.k_tiles; ++kt) {
+        if (kt + 1 < it.k_tiles) sources(kt + 1, next);
+        pipeline.producer_acquire(write);
+        const uint32_t sa = a_base + write.index() * a_stage + a_first;
+        const uint32_t sb = b_base + write.index() * b_stage + b_first;
+        CUTLASS_PRAGMA_UNROLL
+        for (int ka = 0; ka < kKa; ++ka) {
+          const int64_t k = int64_t(kt) * BK + kb + 8 * ka;
+          const bool ok = a_col_ok && xr[ka] >= 0;
+          cp_async_16(sa + ka * a_kstep, ok ? p.x + int64_t(xr[ka]) * p.K + it.m0 + c8 : p.x,
+                      ok ? 16 : 0);
+          CUTLASS_PRAGMA_UNROLL
+          for (int nh = 0; nh < kNh; ++nh) {
+            const bool b_ok = k < it.rows && it.col0 + c8 + 128 * nh < p.N;
+            cp_async_16(sb + nh * b_nstep + ka * b_kstep,
+                        b_ok ? dy + (it.off + k) * p.N + 128 * nh : p.dy, b_ok ? 16 : 0);
+          }
+        }
+        pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive);
+        ++write;
+        CUTLASS_PRAGMA_UNROLL
+        for (int ka = 0; ka < kKa; ++ka) xr[ka] = next[ka];
       }
-      pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive);
-      ++write;
     }
     pipeline.producer_tail(write);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     State read;
-    auto [acc, coord] =
-        consume<T>(pipeline, shared, k_tiles, threadIdx.x - T::kProducers, read);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {  // values 2i, 2i + 1: columns c, c + 1 of one row
-      const int64_t r = m0 + get<0>(coord(i)), c = col0 + get<1>(coord(i));
-      if (r >= p.K || c >= p.N) continue;
-      cutlass::Array<Ep, 2> pair;
-      pair[0] = Ep(acc(i));
-      pair[1] = Ep(acc(i + 1));
-      *reinterpret_cast<cutlass::Array<Ep, 2>*>(out + r * p.N + c) = pair;
+    for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+      const Item it = locate(i);  // (an empty group's tile: zeros, its gradient)
+      auto [acc, coord] =
+          consume<T>(pipeline, shared, it.k_tiles, threadIdx.x - T::kProducers, read);
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < size(acc); v += 2) {  // values v, v + 1: columns c, c + 1 of one row
+        const int64_t r = it.m0 + get<0>(coord(v)), c = it.col0 + get<1>(coord(v));
+        if (r >= p.K || c >= p.N) continue;
+        cutlass::Array<Ep, 2> pair;
+        pair[0] = Ep(acc(v));
+        pair[1] = Ep(acc(v + 1));
+        *reinterpret_cast<cutlass::Array<Ep, 2>*>(it.out + r * p.N + c) = pair;
+      }
     }
   }
 #endif
