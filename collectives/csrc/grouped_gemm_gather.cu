@@ -67,7 +67,8 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
       return NoTma{};
     }
   }();
-  const unsigned ctas = unsigned(std::min<int64_t>(tiles_m * tiles_n, sms));
+  const unsigned ctas =
+      unsigned(std::min<int64_t>(tiles_m * tiles_n, p.max_ctas > 0 ? p.max_ctas : sms));
   kernel<T, E, EPI><<<ctas, T::kThreads, T::kSmemBytes, stream>>>(p, tma);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("launch"));
@@ -107,8 +108,9 @@ ffi::Error launch_drhs(cudaStream_t stream, const DrhsParams<E>& p) {
   if (tiles == 0 || p.G == 0) return ffi::Error::Success();
   const int sms = detail::sm_count();  // (persistent, as the forward's kernel)
   if (sms <= 0) return ffi::Error::Internal(cuda_error("the device's SM count"));
-  drhs_kernel<T, E><<<unsigned(std::min<int64_t>(tiles * p.G, sms)), T::kThreads, T::kSmemBytes,
-                      stream>>>(p);
+  const unsigned ctas =
+      unsigned(std::min<int64_t>(tiles * p.G, p.max_ctas > 0 ? p.max_ctas : sms));
+  drhs_kernel<T, E><<<ctas, T::kThreads, T::kSmemBytes, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("drhs launch"));
 }
@@ -382,6 +384,10 @@ float bf16_value(cutlass::bfloat16_t v) { return float(v); }
 
 }  // namespace
 
+// The selftest's grids: one CTA, which walks all of its few tiles, empty groups' among them,
+// through one pipeline (the tests at full size run one CTA per SM)
+constexpr int kSelftestCtas = 1;
+
 long long fused_selftest() {
   if (!detail::hopper()) return -2;
   using E = cutlass::bfloat16_t;
@@ -428,6 +434,7 @@ long long fused_selftest() {
       const int64_t cols = epi == kSwiGLU ? N / 2 : N;
       cudaMemsetAsync(dout, 0xFF, M * N * sizeof(E), s);  // NaN: every row must be written
       Params<E> p{dx, di, dw, dg, epi == kScale ? dsc : nullptr, dout, X, M, G, K, N};
+      p.max_ctas = kSelftestCtas;
       if (run(s, p, epi, config, true).failure()) return -1;
       std::vector<E> got(M * cols);
       cudaMemcpyAsync(got.data(), dout, got.size() * sizeof(E), cudaMemcpyDeviceToHost, s);
@@ -483,6 +490,7 @@ long long fused_selftest() {
       p.u = d_u;
       p.h = d_h;
       p.part = d_part;
+      p.max_ctas = kSelftestCtas;
       if (run(s, p, kDSwiGLU, config, false).failure()) return -1;
       std::vector<E> got(M * 2 * N);
       std::vector<float> got_part(M);
@@ -522,6 +530,7 @@ long long fused_selftest() {
   for (int config = 0; config < kBackwardConfigs && ddy && dgw && dx && di && dg; ++config) {
     cudaMemsetAsync(dgw, 0xFF, G * K * N * sizeof(E), s);  // NaN: every element must be written
     DrhsParams<E> p{dx, di, ddy, dg, dgw, X, M, G, K, N};
+    p.max_ctas = kSelftestCtas;
     if (run_drhs(s, p, config).failure()) return -1;
     std::vector<E> got(G * K * N);
     cudaMemcpyAsync(got.data(), dgw, got.size() * sizeof(E), cudaMemcpyDeviceToHost, s);

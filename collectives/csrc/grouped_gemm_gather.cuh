@@ -156,6 +156,7 @@ struct Params {
   const E* u = nullptr;   // kDSwiGLU: (M, 2N), gate then up
   const E* h = nullptr;   // kDSwiGLU: (M, N), silu(gate) * up as the forward wrote it
   float* part = nullptr;  // kDSwiGLU: (M, N / BN column tiles)
+  int max_ctas = 0;       // the persistent grid's CTAs at most (0: one per SM)
 };
 
 // The weight gradient with A's rows gathered: out[g] (K x N) = sum over the rows r of group g
@@ -169,6 +170,7 @@ struct DrhsParams {
   const int32_t* sizes;  // (G,) group sizes, as given (clamped as by fill_groups)
   E* out;                // (G, K, N)
   int64_t X, M, G, K, N;
+  int max_ctas = 0;      // the persistent grid's CTAs at most (0: one per SM)
 };
 
 // 16 bytes global -> shared (a shared-window address), zero-filled when `bytes` is 0 (the
