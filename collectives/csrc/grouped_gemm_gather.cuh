@@ -48,17 +48,20 @@ constexpr int kEpilogues = 4;
 // warpgroup on a 128 x 128 tile, 2 as 0 with B's tiles loaded by TMA (the forward's epilogues
 // kStore, kSwiGLU and kScale: one thread issues them, and the producer warpgroup's cp.async
 // copies only A's gathered rows, a third of the bytes).
-// (registers per thread: the producer's and the consumers', within the SM's 64K)
+// (registers per thread: the producer's and the consumers', within the SM's 64K; chosen with
+// ptxas -v so that no kernel spills but the dSwiGLU dlhs (56 bytes): the cp.async producer's
+// addresses, sources and tile walk need about 112, the consumers' 128 accumulators fit in 200;
+// at 56 / 224 the cooperative kernels spilled 300 bytes and more)
 struct Cooperative {
   using TileShape = Shape<_128, _256, _64>;
   using Schedule = cutlass::gemm::KernelCpAsyncWarpSpecializedCooperative;
-  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static constexpr int kProducerRegs = 112, kConsumerRegs = 200;
   static constexpr bool kTmaB = false;
 };
 struct Single {
   using TileShape = Shape<_128, _128, _64>;
   using Schedule = cutlass::gemm::KernelCpAsyncWarpSpecialized;
-  static constexpr int kProducerRegs = 56, kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 104, kConsumerRegs = 240;
   static constexpr bool kTmaB = false;
 };
 struct CooperativeTmaB : Cooperative {
