@@ -229,7 +229,7 @@ long long selftest() {
     int32_t clamped[4];
     int64_t off = 0;
     for (int i = 0; i < G; ++i) {
-      int64_t v = sizes_in[i] < 0 ? 0 : std::min<int64_t>(sizes_in[i], M - off);
+      const int64_t v = detail::clamp_size(sizes_in[i], M, off);
       clamped[i] = int32_t(v);
       off += v;
     }

@@ -35,6 +35,12 @@ inline int sm_count() {
   return count;
 }
 
+// Group size `s` as every pass takes it, the groups before it holding `off` of the M rows: a
+// negative size is 0, and the groups end at row M at the latest.
+__host__ __device__ inline int64_t clamp_size(int64_t s, int64_t M, int64_t off) {
+  return s < 0 ? 0 : (s > M - off ? M - off : s);
+}
+
 // The fused kernels' CTA order over their (row tile, column tile) grid: strips of kStrip row
 // tiles, each strip walked one column tile at a time (its kStrip row tiles of column 0, then of
 // column 1, ...), so the CTAs resident at once share a few A row tiles and each B column tile in
@@ -60,8 +66,7 @@ static __global__ void zero_past_groups_kernel(uint4* out, const int32_t* sizes,
   if (threadIdx.x == 0) {
     int64_t off = 0;
     for (int64_t i = 0; i < G; ++i) {
-      const int64_t s = sizes[i];
-      off += s < 0 ? 0 : (s > M - off ? M - off : s);
+      off += clamp_size(sizes[i], M, off);
     }
     first = off;
   }

@@ -424,7 +424,7 @@ long long fused_selftest() {
   long long wrong = 0;
   int64_t clamped[4], off = 0;
   for (int i = 0; i < G; ++i) {
-    clamped[i] = sizes[i] < 0 ? 0 : std::min<int64_t>(sizes[i], M - off);
+    clamped[i] = detail::clamp_size(sizes[i], M, off);
     off += clamped[i];
   }
   const int64_t total = off;

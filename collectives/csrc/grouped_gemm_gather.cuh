@@ -256,8 +256,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     detail::strip_tile(cta, tiles_m, tiles_n, tile, tile_n);
     int64_t off = 0;
     for (int64_t i = 0; i < p.G; ++i) {
-      int64_t s = p.sizes[i];
-      s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
+      const int64_t s = detail::clamp_size(p.sizes[i], p.M, off);
       const int64_t in_group = (s + BM - 1) / BM;
       if (tile < in_group) {
         // row0: the tile's first row within the group; rows_left: its rows there (may be < BM)
@@ -543,8 +542,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) drhs_kernel(DrhsParams<Ep> p) 
     const int64_t group = i / tiles, tile = i % tiles;
     int64_t off = 0, rows = 0;
     for (int64_t g = 0; g <= group; ++g) {
-      int64_t s = p.sizes[g];
-      s = s < 0 ? 0 : (s > p.M - off ? p.M - off : s);
+      const int64_t s = detail::clamp_size(p.sizes[g], p.M, off);
       if (g == group) rows = s; else off += s;
     }
     return Item{off, rows, tile / tiles_n * BM, tile % tiles_n * BN,

@@ -131,8 +131,7 @@ CUTLASS_HOST_DEVICE void fill_groups(GroupArgs<K> g, const int32_t* group_sizes,
                                      const E* a, const E* b, E* d) {
   int64_t off = 0;
   for (int64_t i = 0; i < G; ++i) {
-    int64_t s = group_sizes[i];
-    s = s < 0 ? 0 : (s > M - off ? M - off : s);
+    const int64_t s = clamp_size(group_sizes[i], M, off);
     g.sizes[i] = static_cast<int32_t>(s);
     const int m = static_cast<int>(s), kk = static_cast<int>(k_dim), nn = static_cast<int>(n_dim);
     if (pass != kDrhs) {
