@@ -36,6 +36,15 @@ std::string cuda_error(const char* what) {
          cudaGetErrorString(cudaGetLastError());
 }
 
+// The persistent kernels' grid for `work` tiles: one CTA per SM (its shared memory holds one),
+// at most max_ctas where that is set (> 0), none where there is no work. False where the
+// device's SM count cannot be read.
+bool persistent_grid(int64_t work, int max_ctas, unsigned& ctas) {
+  const int sms = detail::sm_count();
+  ctas = unsigned(std::min<int64_t>(work, max_ctas > 0 ? max_ctas : sms));
+  return sms > 0;
+}
+
 template <class E, class Config, int EPI>
 ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
   // (kDSwiGLU reads B = w_out[g]^T K-major in place)
@@ -50,10 +59,12 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
   }
   int64_t tiles_m, tiles_n;
   grid_tiles<T>(p, tiles_m, tiles_n);
-  if (p.G == 0) return ffi::Error::Success();  // no group: every tile would return at once
-  // the kernel is persistent: one CTA per SM (its shared memory holds one) walks the tiles
-  const int sms = detail::sm_count();
-  if (sms <= 0) return ffi::Error::Internal(cuda_error("the device's SM count"));
+  unsigned ctas = 0;  // (the kernel is persistent: its CTAs walk the tiles)
+  if (!persistent_grid(tiles_m * tiles_n, p.max_ctas, ctas)) {
+    return ffi::Error::Internal(cuda_error("the device's SM count"));
+  }
+  // no group: every tile would return at once; no column (N = 0): no tile
+  if (p.G == 0 || ctas == 0) return ffi::Error::Success();
   // config 2: B's TMA descriptor over w, encoded here (w's address changes from call to call)
   if (T::kTmaB && reinterpret_cast<uintptr_t>(p.w) % 16 != 0) {
     return ffi::Error::InvalidArgument("ep_comm fused grouped GEMM: config 2 (B by TMA) needs w "
@@ -67,8 +78,6 @@ ffi::Error launch(cudaStream_t stream, const Params<E>& p) {
       return NoTma{};
     }
   }();
-  const unsigned ctas =
-      unsigned(std::min<int64_t>(tiles_m * tiles_n, p.max_ctas > 0 ? p.max_ctas : sms));
   kernel<T, E, EPI><<<ctas, T::kThreads, T::kSmemBytes, stream>>>(p, tma);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("launch"));
@@ -105,11 +114,11 @@ ffi::Error launch_drhs(cudaStream_t stream, const DrhsParams<E>& p) {
                                 std::string(cudaGetErrorString(attr)));
   }
   const int64_t tiles = ((p.K + T::BM - 1) / T::BM) * ((p.N + T::BN - 1) / T::BN);
-  if (tiles == 0 || p.G == 0) return ffi::Error::Success();
-  const int sms = detail::sm_count();  // (persistent, as the forward's kernel)
-  if (sms <= 0) return ffi::Error::Internal(cuda_error("the device's SM count"));
-  const unsigned ctas =
-      unsigned(std::min<int64_t>(tiles * p.G, p.max_ctas > 0 ? p.max_ctas : sms));
+  unsigned ctas = 0;  // (persistent, as the forward's kernel)
+  if (!persistent_grid(tiles * p.G, p.max_ctas, ctas)) {
+    return ffi::Error::Internal(cuda_error("the device's SM count"));
+  }
+  if (ctas == 0) return ffi::Error::Success();  // no tile or no group
   drhs_kernel<T, E><<<ctas, T::kThreads, T::kSmemBytes, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? ffi::Error::Success()
                                                : ffi::Error::Internal(cuda_error("drhs launch"));

@@ -222,7 +222,7 @@ CUTLASS_DEVICE auto consume(typename T::Pipeline& pipeline, typename T::SharedSt
 
 // The fused kernel's tiles: every group's row tiles, at most M / BM + G of them (the ones past
 // the last are skipped), by the accumulator's column tiles. The kernel is persistent: a 1-D grid
-// of at most one CTA per SM (launch's persistent_ctas) walks them in strides of its size.
+// of at most one CTA per SM (launch's persistent_grid) walks them in strides of its size.
 template <class T, class Ep>
 CUTLASS_HOST_DEVICE void grid_tiles(const Params<Ep>& p, int64_t& tiles_m, int64_t& tiles_n) {
   tiles_m = (p.M + T::BM - 1) / T::BM + p.G;
