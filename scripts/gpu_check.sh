@@ -9,8 +9,8 @@
 # kernels' tests -- `gemm` -- the CUTLASS grouped GEMM: build (nvidia-cutlass from .whl/),
 # selftests under compute-sanitizer, the fused forward probe, its tests, the layer and GEMM
 # passes beside tokamax; the built module lands in $OUT/prebuilt/, and GEMM_PREBUILT=1 with it
-# carried back as collectives/_ep_gemm*.so skips the build next time -- and
-# `layer` -- the MoE layer and grouped GEMM sweep with
+# carried back as collectives/_ep_gemm*.so skips the build next time, GEMM_CHECKS=0 the checks --
+# and `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
 # (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
 # named); nvidia-ml-py is installed from wheels/ when the image
@@ -111,14 +111,15 @@ if step gemm; then
   "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
   # GEMM_CHECKS=0: no selftest, probe or tests (a timing run with a module already checked)
   [ "${GEMM_CHECKS:-1}" = 0 ] || {
-  timeout "${GEMM_SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
-    "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
-    2>&1 | tail -8 | tee "$OUT/gemm_sanitizer.txt"
-  timeout "${FUSED_TIMEOUT:-120}" "$PY" scripts/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
-    | tail -30 | tee "$OUT/fused_gemm.txt"
-  timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
-    -k "${GEMM_TESTS:-cutlass or grouped_gemm or fused}" -rf 2>&1 | tee "$OUT/gemm_tests.txt" \
-    | tail -12; }
+    timeout "${GEMM_SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
+      "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
+      2>&1 | tail -8 | tee "$OUT/gemm_sanitizer.txt"
+    timeout "${FUSED_TIMEOUT:-120}" "$PY" scripts/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
+      | tail -30 | tee "$OUT/fused_gemm.txt"
+    timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
+      -k "${GEMM_TESTS:-cutlass or grouped_gemm or fused}" -rf 2>&1 | tee "$OUT/gemm_tests.txt" \
+      | tail -12
+  }
   # GEMM_SHAPES: the issue's shapes by name (default: the DeepSeek-V3 EP8 rank only)
   for shape in ${GEMM_SHAPES:-deepseek}; do
     case "$shape" in
