@@ -37,6 +37,7 @@ a GEMM whose contracting dimension is ragged). Implementations:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -235,14 +236,19 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     if config is None:
         config = TOKAMAX_CONFIGS.get(pass_name, "heuristics") if _hopper() else "heuristics"
     kernel = _tokamax_kernel(None if config == "heuristics" else tuple(sorted(config.items())))
+    # Inside shard_map, the Mosaic TPU kernel's Pallas outputs declare no varying axes, which
+    # jax 0.10 rejects under check_vma: that kernel is traced unchecked, then typed as its
+    # inputs. Only that one: the Mosaic GPU kernel traces and runs checked (the H200 layer
+    # rows before the TPU fix), while in that context jax 0.11.2 met its group-size arithmetic
+    # with mixed types ("Primitive max requires varying manual axes to match", on an H200).
+    unchecked = (vma_unchecked if _tokamax_op()[0][0].__name__.endswith("pallas_mosaic_tpu")
+                 else contextlib.nullcontext)
 
     def tokamax(a, b, group_sizes, out_dtype, zero_tail=True):
         b = prepare(b)
         # 16-bit inputs: every precision is the same product (explicit, so that a global
         # jax_default_matmul_precision does not make the kernel decline)
-        # (inside shard_map: the Mosaic TPU kernel's Pallas outputs declare no varying axes,
-        # which jax 0.10 rejects under check_vma; traced unchecked, then typed as the inputs)
-        with vma_unchecked():
+        with unchecked():
             out = kernel(a, b, group_sizes=group_sizes, ragged_dot_dimension_numbers=dims,
                          precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         out = match_vma(match_vma(out, a), b)
