@@ -320,6 +320,38 @@ def test_grouped_matmul_cutlass_equals_ragged_dot_with_gradients(rng, grouping, 
     _check_against_ragged_dot(rng, GROUPINGS[grouping], dtype, "cutlass", rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("impl", [pytest.param("tokamax", marks=TOKAMAX),
+                                  pytest.param("cutlass", marks=CUTLASS)])
+def test_grouped_matmul_kernels_inside_shard_map_with_gradients(sharded, n, rng, impl):
+    """The GPU kernels inside shard_map, where check_vma types every value: values and both
+    gradients against lax.ragged_dot in the same shard_map, each device its own groups.
+    (tokamax's Mosaic GPU kernel failed there on jax 0.11.2, on an H200, while it was traced
+    with the checks off as the TPU kernel is.)"""
+    sizes = GROUPINGS["uneven with empty groups"]
+    G, M, Kd, N = len(sizes), 24, 16, 8
+    bf = lambda a: np.asarray(a, jnp.bfloat16)  # noqa: E731
+    x, w = bf(rng.standard_normal((n * M, Kd))), bf(rng.standard_normal((n * G, Kd, N)) / 4)
+    cot = rng.standard_normal((n * M, N)).astype(np.float32)
+    gs = np.tile(np.asarray(sizes, np.int32), n)
+
+    def run(gemm_fn, dtype):
+        def f(x, w, gs, cot):
+            loss = lambda x, w: jnp.sum(gemm_fn(x, w, gs).astype(jnp.float32) * cot)  # noqa
+            return (gemm_fn(x, w, gs),) + jax.grad(loss, argnums=(0, 1))(x, w)
+        return sharded.get(sharded.smap(f)(*sharded.put(
+            x.astype(dtype), w.astype(dtype), gs, cot)))
+
+    got = run(functools.partial(ep_comm.grouped_matmul, implementation=impl), jnp.bfloat16)
+    want = run(jax.lax.ragged_dot, np.float32)  # the same bf16-rounded inputs
+    in_groups = np.arange(n * M) % M < sum(sizes)
+    for name, g, r in zip(("out", "dx", "dw"), got, want):
+        assert g.dtype == jnp.bfloat16, name
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        rows = slice(None) if name == "dw" else in_groups
+        np.testing.assert_allclose(g[rows], r[rows], rtol=2 ** -7,
+                                   atol=2 ** -7 * (1 + np.abs(r).max()), err_msg=name)
+
+
 @CUTLASS
 @pytest.mark.parametrize("config", grouped_gemm.CONFIGS)
 def test_grouped_gemm_every_tile_config_equals_the_dense_product(rng, config):
