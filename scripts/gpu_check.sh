@@ -117,8 +117,8 @@ if step gemm; then
     timeout "${FUSED_TIMEOUT:-120}" "$PY" scripts/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
       | tail -30 | tee "$OUT/fused_gemm.txt"
     timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
-      -k "${GEMM_TESTS:-cutlass or grouped_gemm or fused or inside_shard_map}" -rf 2>&1 | tee "$OUT/gemm_tests.txt" \
-      | tail -12
+      -k "${GEMM_TESTS:-cutlass or grouped_gemm or fused or inside_shard_map}" -rf 2>&1 \
+      | tee "$OUT/gemm_tests.txt" | tail -12
   }
   # GEMM_SHAPES: the shapes by name (default: the DeepSeek-V3 EP8 rank only)
   for shape in ${GEMM_SHAPES:-deepseek}; do
