@@ -274,23 +274,23 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         y = fwd(xs, idss, ws, wis, wos)
         wrong = _wrong(ep_comm.distributed.to_host(y)[:check], ref, dtype, H)
         t_f = median_us(fwd, (xs, idss, ws, wis, wos), warmup, iters)
-        mem = fwd.lower(xs, idss, ws, wis, wos).compile().memory_analysis()
+        temp = _temp_bytes(fwd, (xs, idss, ws, wis, wos))
         print(f"  {label} forward: {t_f:.1f} us, {t_f / t_dense_f:.2f}x dense "
-              f"({t_dense_f:.1f} us), #wrong {wrong}", flush=True)
+              f"({t_dense_f:.1f} us), #wrong {wrong}, temp {_gib(temp)}", flush=True)
         results.append(dict(impl=label, gemm=gemm_of(impl), pass_="forward",
                             time_us=t_f,
                             tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
-                            temp_bytes=getattr(mem, "temp_size_in_bytes", None)))
+                            temp_bytes=temp))
         if gpu and impl == "xla":
             continue  # its drhs is a dense masked product over every group: forward shows enough
         t_b = median_us(bwd, (xs, ws, wis, wos, idss), warmup, iters)
-        mem = bwd.lower(xs, ws, wis, wos, idss).compile().memory_analysis()
+        temp = _temp_bytes(bwd, (xs, ws, wis, wos, idss))
         rep = dict(impl=label, gemm=gemm_of(impl), pass_="fwd+bwd", time_us=t_b,
-                   tflops=3 * fwd_flops / t_b / 1e6,
-                   x_dense=t_b / t_dense_b, temp_bytes=getattr(mem, "temp_size_in_bytes", None))
+                   tflops=3 * fwd_flops / t_b / 1e6, x_dense=t_b / t_dense_b, temp_bytes=temp)
         if profile and impl == variants[0][0]:
             rep["trace"] = _profile_split(profile, bwd, (xs, ws, wis, wos, idss))
-        print(f"  {label} fwd+bwd: {t_b:.1f} us, {t_b / t_dense_b:.2f}x dense", flush=True)
+        print(f"  {label} fwd+bwd: {t_b:.1f} us, {t_b / t_dense_b:.2f}x dense, temp {_gib(temp)}",
+              flush=True)
         results.append(rep)
     return dict(kind="layer", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
                                           experts=E, topk=K, dtype=jnp.dtype(dtype).name),
@@ -311,11 +311,25 @@ def _plain_layer(mesh, gemm, kind, args, t_dense_f, t_dense_b, flops, ref, check
     wrong = _wrong(ep_comm.distributed.to_host(fwd(*args))[:check], ref, dtype, H)
     t_f = median_us(fwd, args, warmup, iters)
     t_b = median_us(bwd, (x, w, wi, wo, ids), warmup, iters)
-    print(f"  {label}: forward {t_f:.1f} us, fwd+bwd {t_b:.1f} us", flush=True)
+    temp_f, temp_b = _temp_bytes(fwd, args), _temp_bytes(bwd, (x, w, wi, wo, ids))
+    print(f"  {label}: forward {t_f:.1f} us (temp {_gib(temp_f)}), fwd+bwd {t_b:.1f} us "
+          f"(temp {_gib(temp_b)})", flush=True)
     return [dict(impl=label, plain=kind, pass_="forward", time_us=t_f,
-                 tflops=flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong),
+                 tflops=flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
+                 temp_bytes=temp_f),
             dict(impl=label, plain=kind, pass_="fwd+bwd", time_us=t_b,
-                 tflops=3 * flops / t_b / 1e6, x_dense=t_b / t_dense_b)]
+                 tflops=3 * flops / t_b / 1e6, x_dense=t_b / t_dense_b, temp_bytes=temp_b)]
+
+
+def _temp_bytes(fn, args):
+    """The compiled program's temporary memory (XLA's memory analysis), or None where the backend
+    gives none."""
+    mem = fn.lower(*args).compile().memory_analysis()
+    return getattr(mem, "temp_size_in_bytes", None)
+
+
+def _gib(n):
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, factor: float):
@@ -356,12 +370,11 @@ def rounds_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, fa
             fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
             y, rounds = fwd(*args)
             t = median_us(fwd, args, warmup, iters)
-            mem = fwd.lower(*args).compile().memory_analysis()
             outs[cap] = ep_comm.distributed.to_host(y).astype(np.float64)
             results.append(dict(routing=routing, capacity=cfg.expert_rows,
                                 x_balanced=cfg.expert_rows / balanced,
                                 rounds=int(ep_comm.distributed.to_host(rounds).max()),
-                                time_us=t, temp_bytes=getattr(mem, "temp_size_in_bytes", None),
+                                time_us=t, temp_bytes=_temp_bytes(fwd, args),
                                 max_load=int(_max_load(ids, n, E)), dropped=0))
         ref = outs[None]
         eps = float(jnp.finfo(dtype).eps)
