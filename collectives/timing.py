@@ -76,15 +76,19 @@ def hardware() -> str:
 def emit(reports, table_fn, json_path=None) -> list:
     """Run the (lazy) ``reports``, printing each as a table on process 0 as it completes and
     rewriting ``json_path`` with those done so far (a run cut short by a time limit keeps what it
-    measured); returns them."""
+    measured); returns them. A report that carries ``partial=True`` is one still being measured:
+    it is saved after those done, not printed, and the next report replaces it."""
     done, main = [], jax.process_index() == 0
 
-    def save():
+    def save(pending=()):
         if json_path and main:
             with open(json_path, "w") as f:
-                json.dump(done, f, indent=1)
+                json.dump(done + list(pending), f, indent=1)
     save()
     for rep in reports:
+        if rep.get("partial"):
+            save([rep])
+            continue
         done.append(rep)
         if main:
             print(table_fn(rep), flush=True)

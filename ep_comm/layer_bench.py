@@ -180,7 +180,9 @@ FUSED_ROWS = {KEEP_U: (dict(keep_u=True), "u kept"),
 
 def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
                  xla_max_gib, profile, with_xla=True):
-    """moe_layer forward and forward+backward, next to the dense ceiling of the same FLOPs."""
+    """moe_layer forward and forward+backward, next to the dense ceiling of the same FLOPs: yields
+    the report with ``partial=True`` after each measured row (``emit`` saves it, so a run cut by
+    a time limit keeps those rows), then the whole report."""
     mesh = jax.make_mesh((jax.device_count(),), ("ep",),
                          axis_types=(jax.sharding.AxisType.Auto,))
     n = mesh.shape["ep"]
@@ -235,6 +237,11 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                     tflops=fwd_flops / t_dense_f / 1e6, x_dense=1.0),
                dict(impl="dense einsum (ceiling)", pass_="fwd+bwd", time_us=t_dense_b,
                     tflops=3 * fwd_flops / t_dense_b / 1e6, x_dense=1.0)]
+    report = dict(kind="layer", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
+                                            experts=E, topk=K, dtype=jnp.dtype(dtype).name),
+                  ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results,
+                  tokamax_configs=dict(gm.TOKAMAX_CONFIGS))
+    partial = lambda: dict(report, partial=True)  # noqa: E731 (the rows so far, for emit)
     # the layer's exchange halves alone (the same config and routing): where its time goes
     disp = jax.jit(jax.shard_map(functools.partial(ep_comm.dispatch, config=cfg), mesh=mesh,
                                  in_specs=P("ep"), out_specs=P("ep")))
@@ -247,6 +254,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         results.append(dict(impl=name, pass_="forward", time_us=t, tflops=0.0,
                             x_dense=t / t_dense_f))
     del ex, handle
+    yield partial()
     gpu = jax.default_backend() == "gpu"
     variants = [(impl, True) for impl in implementation.split(",")]  # e.g. "cutlass,tokamax"
     gemm_of = lambda impl: gm.resolve(  # noqa: E731
@@ -262,6 +270,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
+            yield partial()
         label = (f"moe_layer {FUSED}, {FUSED_ROWS[impl][1]}" if impl in FUSED_ROWS
                  else f"moe_layer {FUSED}" if impl == FUSED
                  else f"moe_layer grouped_matmul={impl}")
@@ -281,6 +290,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                             time_us=t_f,
                             tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
                             temp_bytes=temp))
+        yield partial()
         if gpu and impl == "xla":
             continue  # its drhs is a dense masked product over every group: forward shows enough
         t_b = median_us(bwd, (xs, ws, wis, wos, idss), warmup, iters)
@@ -292,10 +302,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         print(f"  {label} fwd+bwd: {t_b:.1f} us, {t_b / t_dense_b:.2f}x dense, temp {_gib(temp)}",
               flush=True)
         results.append(rep)
-    return dict(kind="layer", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
-                                          experts=E, topk=K, dtype=jnp.dtype(dtype).name),
-                ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results,
-                tokamax_configs=dict(gm.TOKAMAX_CONFIGS))
+        yield partial()
+    yield report
 
 
 def _plain_layer(mesh, gemm, kind, args, t_dense_f, t_dense_b, flops, ref, check, dtype, H,
@@ -738,7 +746,7 @@ def main(argv=None):
                              chunk_by=tuple(args.chunk_by.split(",")))
 
     def layer_part():
-        yield layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
+        yield from layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
                            args.warmup, args.iters, args.implementation, args.xla_max_gib,
                            args.profile, with_xla=not args.no_xla)
 

@@ -126,6 +126,26 @@ def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
     assert "moe_layer" in layer_bench.table(layer) and "x dense" in layer_bench.table(gemm)
 
 
+def test_emit_saves_a_report_in_progress_and_replaces_it_when_done(tmp_path, capsys):
+    from collectives.timing import emit
+
+    path = tmp_path / "r.json"
+    first, so_far, whole = dict(kind="a"), dict(kind="b", rows=[1], partial=True), \
+        dict(kind="b", rows=[1, 2])
+
+    def reports():  # a second report measured row by row, then a time limit cuts the run
+        yield first
+        yield so_far
+        assert json.loads(path.read_text()) == [first, so_far]  # kept, not printed
+        yield whole
+        raise TimeoutError("cut")
+
+    with pytest.raises(TimeoutError, match="cut"):
+        emit(reports(), lambda r: f"table {r['kind']}", str(path))
+    assert json.loads(path.read_text()) == [first, whole]
+    assert capsys.readouterr().out.split() == ["table", "a", "table", "b"]
+
+
 def test_layer_bench_rounds_bound_the_buffer_and_drop_nothing(n):
     from ep_comm import layer_bench
 
