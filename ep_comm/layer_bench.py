@@ -746,9 +746,9 @@ def main(argv=None):
                              chunk_by=tuple(args.chunk_by.split(",")))
 
     def layer_part():
-        yield from layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
-                           args.warmup, args.iters, args.implementation, args.xla_max_gib,
-                           args.profile, with_xla=not args.no_xla)
+        yield from layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk,
+                                dtype, args.warmup, args.iters, args.implementation,
+                                args.xla_max_gib, args.profile, with_xla=not args.no_xla)
 
     part_fns = dict(gemm=gemm_part, rounds=rounds_part, overlap=overlap_part, layer=layer_part)
     unknown = [p for p in parts if p not in part_fns]
