@@ -251,6 +251,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     for name, fn, args in (("dispatch alone", disp, (xs, idss, ws)),
                            ("combine alone", comb, (ex, handle))):
         t = median_us(fn, args, warmup, iters)
+        print(f"  {name}: {t:.1f} us, {t / t_dense_f:.2f}x the dense forward", flush=True)
         results.append(dict(impl=name, pass_="forward", time_us=t, tflops=0.0,
                             x_dense=t / t_dense_f))
     del ex, handle
