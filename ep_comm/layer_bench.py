@@ -74,21 +74,31 @@ def _label(cfg):
     return s
 
 
-def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, log=None):
+def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, log=None,
+               sizes=None):
     """Every pass of the up and down GEMMs with each candidate (``{pass: [tokamax config]}``);
-    returns (results, best configs)."""
-    if rows % groups:
-        raise ValueError(f"layer_bench: the GEMM sweep needs rows={rows} divisible by "
-                         f"groups={groups}")
+    returns (results, best tokamax configs, best CUTLASS configs). ``sizes``: the groups' rows
+    (``rows`` in all), e.g. a routing's (:func:`routed_sizes`); default equal groups. The dense
+    ceiling is equal groups either way: the same FLOPs without the raggedness."""
+    if sizes is None:
+        if rows % groups:
+            raise ValueError(f"layer_bench: the GEMM sweep needs rows={rows} divisible by "
+                             f"groups={groups}")
+        sizes = np.full((groups,), rows // groups)
+    sizes = np.asarray(sizes, np.int64)
+    if sizes.shape != (groups,) or sizes.sum() != rows or (sizes < 0).any():
+        raise ValueError(f"layer_bench: sizes must be {groups} group sizes >= 0 adding up to "
+                         f"rows={rows}, got {sizes.tolist()}")
     rng = np.random.default_rng(0)
-    gs = jnp.full((groups,), rows // groups, jnp.int32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
     gpu = jax.default_backend() == "gpu"
     impls = [("xla", None)]
     if gm.tokamax_available() and jnp.dtype(dtype).itemsize == 2:
         impls += [("tokamax", None), ("tokamax", "heuristics")]
     if gm.grouped_gemm.available() is None and jnp.dtype(dtype).itemsize == 2:
         impls += [("cutlass", c) for c in gm.grouped_gemm.CONFIGS]
-    results, best = [], {}
+    results = []
     for name, k, n in (("up", hidden, 2 * inter), ("down", inter, hidden)):
         a = jnp.asarray(rng.standard_normal((rows, k)), dtype)
         b = jnp.asarray(rng.standard_normal((groups, k, n)) / np.sqrt(k), dtype)
@@ -109,17 +119,15 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
             t_dense = median_us(fn, args, warmup, iters)
             results.append(dict(gemm=name, pass_=pass_name, impl="dense einsum", time_us=t_dense,
                                 tflops=flops / t_dense / 1e6, x_dense=1.0, wrong=0))
-            # reference: the dense einsum in float32 on the device (the groups are equal here)
-            def ref_fn(fn=fn, args=args, pass_name=pass_name):
-                with jax.default_matmul_precision("highest"):
-                    r = np.asarray(jax.jit(lambda *v: fn(*(u.astype(jnp.float32) for u in v)))(
-                        *args))
-                return r if pass_name == "drhs" else r.reshape(rows, -1)
             if pass_name == "drhs":
                 operands = (a, dy)
             else:
                 # dlhs takes w as the forward did (a kernel needing it transposed pays for that)
                 operands = (a, b) if pass_name == "forward" else (dy, b)
+
+            # reference: each group's product in float32 on the device
+            def ref_fn(pass_name=pass_name, operands=operands):
+                return np.asarray(_grouped_reference(pass_name, starts)(*operands))
             ref = None
             for impl, cfg in impls + [("tokamax", c) for c in candidates.get(pass_name, [])
                                       if len(impls) > 1 and gpu]:  # (Mosaic GPU configs)
@@ -146,19 +154,57 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
                                     wrong=_wrong(out, ref, dtype, k), config=cfg))
                 if log:
                     log(f"  {name} {pass_name} {label}: {t:.1f} us, {t / t_dense:.2f}x dense")
-    for pass_name in gm.PASSES:  # the tokamax config fastest over both GEMMs of each pass
+    return results, _fastest(results, "tokamax"), _fastest(results, "ep_comm cutlass")
+
+
+def _fastest(results, impl):
+    """Per pass, the config of ``impl`` (a label prefix) fastest over both GEMMs, among those
+    right in both (a ``None`` config, the defaults in use, is not a candidate)."""
+    best = {}
+    for pass_name in gm.PASSES:
         totals = {}
         for r in results:
-            if r["pass_"] == pass_name and r["impl"].startswith("tokamax") and "time_us" in r \
-                    and r["wrong"] == 0 and r["config"] is not None:  # None: the defaults in use
-                key = _label(r["config"])
+            if r["pass_"] == pass_name and r["impl"].startswith(impl) and "time_us" in r \
+                    and r["wrong"] == 0 and r["config"] is not None:
+                key = _label(r["config"]) if isinstance(r["config"], dict) else r["config"]
                 totals.setdefault(key, [r["config"], 0.0, 0])
                 totals[key][1] += r["time_us"]
                 totals[key][2] += 1
         full = [v for v in totals.values() if v[2] == 2]
         if full:
             best[pass_name] = min(full, key=lambda v: v[1])[0]
-    return results, best
+    return best
+
+
+def _grouped_reference(pass_name, starts):
+    """One pass over the groups ``[starts[g], starts[g + 1])`` in float32 at the highest
+    precision, group by group (static slices): forward/dlhs give the groups' rows, drhs each
+    group's ``a_g^T dy_g`` (zeros for an empty group)."""
+    def f(p, q):
+        p, q = p.astype(jnp.float32), q.astype(jnp.float32)
+        with jax.default_matmul_precision("highest"):
+            parts = []
+            for g in range(len(starts) - 1):
+                lo, hi = int(starts[g]), int(starts[g + 1])
+                if pass_name == "drhs":
+                    parts.append(p[lo:hi].T @ q[lo:hi])
+                elif pass_name == "forward":
+                    parts.append(p[lo:hi] @ q[g])
+                else:
+                    parts.append(p[lo:hi] @ q[g].T)
+            return jnp.stack(parts) if pass_name == "drhs" else jnp.concatenate(parts)
+    return jax.jit(f)
+
+
+def _draw_ids(rng, tokens, experts, topk):
+    """Uniform top-``topk`` routing: each token's distinct experts, drawn from ``rng``."""
+    return np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk].astype(np.int32)
+
+
+def routed_sizes(ranks, tokens, experts, topk):
+    """The group sizes rank 0's experts get under the layer part's routing (the same draw)."""
+    ids = _draw_ids(np.random.default_rng(1), ranks * tokens, experts, topk)
+    return np.bincount(ids.reshape(-1), minlength=experts)[: experts // ranks]
 
 
 def _wrong(out, ref, dtype, k):
@@ -189,7 +235,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     T, H, I, E, K = tokens, hidden, inter, experts, topk
     L = E // n
     rng = np.random.default_rng(1)
-    ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K].astype(np.int32)
+    ids = _draw_ids(rng, n * T, E, K)
     w = rng.random((n * T, K)).astype(np.float32)
     x = (rng.standard_normal((n * T, H)) * 0.5).astype(np.float32)
     w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
@@ -240,7 +286,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     report = dict(kind="layer", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
                                             experts=E, topk=K, dtype=jnp.dtype(dtype).name),
                   ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results,
-                  tokamax_configs=dict(gm.TOKAMAX_CONFIGS))
+                  tokamax_configs=dict(gm.TOKAMAX_CONFIGS),
+                  cutlass_configs=dict(gm.grouped_gemm.DEFAULT_CONFIGS))
     partial = lambda: dict(report, partial=True)  # noqa: E731 (the rows so far, for emit)
     # the layer's exchange halves alone (the same config and routing): where its time goes
     disp = jax.jit(jax.shard_map(functools.partial(ep_comm.dispatch, config=cfg), mesh=mesh,
@@ -420,7 +467,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     n = mesh.shape["ep"]
     T, H, I, E, K = tokens, hidden, inter, experts, topk
     rng = np.random.default_rng(3)
-    ids = np.argsort(rng.random((n * T, E)), axis=1)[:, :K].astype(np.int32)
+    ids = _draw_ids(rng, n * T, E, K)
     w = rng.random((n * T, K)).astype(np.float32)
     x = (rng.standard_normal((n * T, H)) * 0.5).astype(dtype)
     w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(dtype)
@@ -595,6 +642,19 @@ def _profile_split(folder, fn, args):
                 top_other={k: round(v, 1) for k, v in top})
 
 
+def _cutlass_configs(ap, text):
+    """``--cutlass-configs``' ``pass=config`` pairs as a dict (``ap.error`` on a bad one)."""
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in gm.PASSES or not value.isdigit() \
+                or int(value) not in gm.grouped_gemm.CONFIGS:
+            ap.error(f"--cutlass-configs: each item must be pass=config with pass one of "
+                     f"{gm.PASSES} and config one of {gm.grouped_gemm.CONFIGS}, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
 def table(rep) -> str:
     head = f"# {rep['hardware']}\n# median of {rep['iters']} after {rep['warmup']} warm-up\n"
     if rep["kind"] == "rounds":
@@ -638,7 +698,9 @@ def table(rep) -> str:
         return "\n".join(lines)
     if rep["kind"] == "gemm":
         c = rep["config"]
-        lines = [head + f"# grouped GEMM passes: {c['rows']} rows in {c['groups']} equal groups, "
+        groups = ("equal groups" if c.get("group_sizes", "equal") == "equal" else
+                  f"groups of the layer's routing ({min(c['sizes'])}-{max(c['sizes'])} rows)")
+        lines = [head + f"# grouped GEMM passes: {c['rows']} rows in {c['groups']} {groups}, "
                  f"H={c['hidden']}, I={c['intermediate']} (up: H->2I, down: I->H), {c['dtype']}",
                  f"{'gemm':<6}{'pass':<9}{'impl':<34}{'time(us)':>10}{'TFLOP/s':>9}"
                  f"{'x dense':>9}{'#wrong':>8}"]
@@ -650,13 +712,15 @@ def table(rep) -> str:
             lines.append(f"{r['gemm']:<6}{r['pass_']:<9}{r['impl']:<34}{r['time_us']:>10.1f}"
                          f"{r['tflops']:>9.1f}{r['x_dense']:>9.2f} {r['wrong']:>7d}")
         lines.append(f"# fastest tokamax config per pass: "
-                     f"{ {p: _label(c) for p, c in rep['best'].items()} }")
+                     f"{ {p: _label(c) for p, c in rep['best'].items()} }; CUTLASS: "
+                     f"{rep.get('best_cutlass', {})}")
         return "\n".join(lines)
     c = rep["config"]
     lines = [head + f"# moe_layer: {rep['ranks']} rank(s), {c['tokens_per_rank']} tokens/rank, "
              f"top-{c['topk']} of {c['experts']} experts, H={c['hidden']}, SwiGLU I="
              f"{c['intermediate']}, {c['dtype']}; ceiling = the same expert FLOPs as dense "
-             f"batched einsums; tokamax configs {rep['tokamax_configs']}",
+             f"batched einsums; tokamax configs {rep['tokamax_configs']}; CUTLASS configs "
+             f"{rep.get('cutlass_configs')}",
              f"{'impl':<44}{'pass':<9}{'time(us)':>11}{'TFLOP/s':>9}{'x dense':>9}{'#wrong':>8}"
              f"{'temp':>11}"]
     for r in rep["results"]:
@@ -698,7 +762,14 @@ def main(argv=None):
     ap.add_argument("--rounds-factor", type=float, default=2.0,
                     help="rounds: capacity per round in balanced rows (T * topk) per rank")
     ap.add_argument("--tune", action="store_true",
-                    help="run the layer with the fastest tokamax config per pass of the sweep")
+                    help="run the layer with the fastest tokamax and CUTLASS configs per pass of "
+                         "the GEMM part")
+    ap.add_argument("--groups", default="equal", choices=("equal", "routed"),
+                    help="the GEMM part's group sizes: equal, or those the layer part's routing "
+                         "gives rank 0's experts")
+    ap.add_argument("--cutlass-configs", default=None,
+                    help="the CUTLASS tile config per pass, e.g. forward=0,dlhs=0,drhs=2 "
+                         "(default: collectives.grouped_gemm.DEFAULT_CONFIGS)")
     ap.add_argument("--implementation", default="auto",
                     help="grouped_matmul's, for the layer: comma-separated, e.g. "
                          f"cutlass,{FUSED},tokamax; {KEEP_U}: the fused path keeping u for the "
@@ -720,20 +791,29 @@ def main(argv=None):
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     E = args.experts or 4 * n
     parts = args.parts.split(",")
+    if args.cutlass_configs is not None:
+        gm.grouped_gemm.DEFAULT_CONFIGS.update(_cutlass_configs(ap, args.cutlass_configs))
 
     def gemm_part():
-        rows = args.tokens * args.topk  # the (token, expert) rows one rank gets, balanced
-        res, best = gemm_sweep(rows, args.hidden, args.intermediate, E // n, dtype,
-                               args.warmup, args.iters,
-                               {} if args.no_tile_sweep else CANDIDATES,
-                               log=lambda s: print(s, flush=True))
+        sizes = None
+        if args.groups == "routed":
+            sizes = routed_sizes(n, args.tokens, E, args.topk)
+            rows = int(sizes.sum())
+        else:
+            rows = args.tokens * args.topk  # the (token, expert) rows one rank gets, balanced
+        res, best, best_cutlass = gemm_sweep(rows, args.hidden, args.intermediate, E // n,
+                                             dtype, args.warmup, args.iters,
+                                             {} if args.no_tile_sweep else CANDIDATES,
+                                             log=lambda s: print(s, flush=True), sizes=sizes)
         if args.tune:
             gm.TOKAMAX_CONFIGS.update(best)
+            gm.grouped_gemm.DEFAULT_CONFIGS.update(best_cutlass)
         yield dict(kind="gemm", config=dict(rows=rows, groups=E // n, hidden=args.hidden,
                                             intermediate=args.intermediate,
-                                            dtype=dtype.name),
+                                            dtype=dtype.name, group_sizes=args.groups,
+                                            sizes=None if sizes is None else sizes.tolist()),
                    hardware=hardware(), warmup=args.warmup, iters=args.iters, results=res,
-                   best=best)
+                   best=best, best_cutlass=best_cutlass)
 
     def rounds_part():
         yield rounds_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,

@@ -108,12 +108,20 @@ def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
         layer_bench.main(["--parts", "layer,gemms"])
     assert "--parts: each must be one of ['gemm', 'layer', 'overlap', 'rounds'], got ['gemms']" \
         in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        layer_bench.main(["--cutlass-configs", "forward=0,drhs=7"])
+    assert "--cutlass-configs: each item must be pass=config with pass one of ('forward', " \
+        "'dlhs', 'drhs') and config one of (0, 1, 2, 3), got 'drhs=7'" in capsys.readouterr().err
     path = tmp_path / "layer.json"  # the parts run in the order named, the JSON kept as they end
+    # the GEMM rows on the layer's routing: ragged groups, each pass against its reference
     reports = layer_bench.main(["--tokens", "16", "--hidden", "16", "--intermediate", "8",
-                                "--topk", "2", "--iters", "1", "--warmup", "1",
-                                "--parts", "layer,gemm", "--json", str(path)])
+                                "--topk", "2", "--iters", "1", "--warmup", "1", "--groups",
+                                "routed", "--parts", "layer,gemm", "--json", str(path)])
     layer, gemm = reports
     assert [r["kind"] for r in json.loads(path.read_text())] == ["layer", "gemm"]
+    sizes = gemm["config"]["sizes"]
+    assert sum(sizes) == gemm["config"]["rows"] and len(set(sizes)) > 1
+    assert sizes == layer_bench.routed_sizes(n, 16, 4 * n, 2).tolist()
     passes = {(r["gemm"], r["pass_"], r["impl"]) for r in gemm["results"]}
     for g in ("up", "down"):
         for p in ("forward", "dlhs", "drhs"):
