@@ -786,13 +786,13 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.cutlass_configs is not None:  # (checked before any device is set up)
+        gm.grouped_gemm.DEFAULT_CONFIGS.update(_cutlass_configs(ap, args.cutlass_configs))
     ep_comm.distributed.initialize(local_device_count=args.devices)
     n = jax.device_count()
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     E = args.experts or 4 * n
     parts = args.parts.split(",")
-    if args.cutlass_configs is not None:
-        gm.grouped_gemm.DEFAULT_CONFIGS.update(_cutlass_configs(ap, args.cutlass_configs))
 
     def gemm_part():
         sizes = None
