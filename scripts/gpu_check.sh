@@ -9,7 +9,8 @@
 # kernels' tests -- `gemm` -- the CUTLASS grouped GEMM: build (nvidia-cutlass from .whl/),
 # selftests under compute-sanitizer, the fused forward probe, its tests, the layer and GEMM
 # passes beside tokamax; the built module lands in $OUT/prebuilt/, and GEMM_PREBUILT=1 with it
-# carried back as collectives/_ep_gemm*.so skips the build next time, GEMM_CHECKS=0 the checks --
+# carried back as collectives/_ep_gemm*.so skips the build next time (scripts/prebuild_gemm.sh
+# builds it without a GPU), GEMM_CHECKS=0 the checks --
 # and `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
 # (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
