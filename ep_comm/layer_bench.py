@@ -13,7 +13,8 @@ One run, side by side, on one routing (uniform top-k over ``--experts``):
   (the same expert FLOPs as batched einsums, no routing); TFLOP/s, ratio to the ceiling, memory
   per rank (XLA's buffer assignment), dispatch and combine timed alone on the same routing, and
   with ``--profile DIR`` the GPU kernel time split into
-  GEMM kernels and the rest (dispatch, combine, activation) from a profiler trace. At one rank
+  GEMM kernels and the rest (dispatch, combine, activation) from a profiler trace (the first
+  implementation's forward and fwd+bwd, the plain layer's forward). At one rank
   also the plain JAX layer (:func:`ep_comm.baselines.moe_layer`: argsort, gather, the same
   grouped GEMM, gather back and weighted sum; autodiff's backward), forward and forward+backward,
   and the table ends with ``moe_layer``'s time over it.
@@ -317,7 +318,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
             gemm = (jax.lax.ragged_dot if kind == "xla" else functools.partial(
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
-                                    t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters)
+                                    t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters,
+                                    profile if impl == variants[0][0] else None)
             yield partial()
         label = (f"moe_layer {FUSED}, {FUSED_ROWS[impl][1]}" if impl in FUSED_ROWS
                  else f"moe_layer {FUSED}" if impl == FUSED
@@ -338,6 +340,9 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                             time_us=t_f,
                             tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
                             temp_bytes=temp))
+        if profile and impl == variants[0][0]:
+            results[-1]["trace"] = _profile_split(os.path.join(profile, f"{impl}_forward"), fwd,
+                                                  (xs, idss, ws, wis, wos), label + " forward")
         yield partial()
         if gpu and impl == "xla":
             continue  # its drhs is a dense masked product over every group: forward shows enough
@@ -346,7 +351,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         rep = dict(impl=label, gemm=gemm_of(impl), pass_="fwd+bwd", time_us=t_b,
                    tflops=3 * fwd_flops / t_b / 1e6, x_dense=t_b / t_dense_b, temp_bytes=temp)
         if profile and impl == variants[0][0]:
-            rep["trace"] = _profile_split(profile, bwd, (xs, ws, wis, wos, idss))
+            rep["trace"] = _profile_split(os.path.join(profile, f"{impl}_fwd_bwd"), bwd,
+                                          (xs, ws, wis, wos, idss), label + " fwd+bwd")
         print(f"  {label} fwd+bwd: {t_b:.1f} us, {t_b / t_dense_b:.2f}x dense, temp {_gib(temp)}",
               flush=True)
         results.append(rep)
@@ -355,8 +361,9 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
 
 
 def _plain_layer(mesh, gemm, kind, args, t_dense_f, t_dense_b, flops, ref, check, dtype, H,
-                 warmup, iters):
-    """The plain JAX layer's rows (forward, fwd+bwd) with the grouped GEMM ``gemm``."""
+                 warmup, iters, profile=None):
+    """The plain JAX layer's rows (forward, fwd+bwd) with the grouped GEMM ``gemm``; with
+    ``profile`` (a folder), the forward's GPU kernel time split as :func:`_profile_split` does."""
     smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     f = lambda x, ids, w, wi, wo: baselines.moe_layer(x, ids, w, wi, wo, gemm)  # noqa: E731
     fwd = jax.jit(smap(f))
@@ -370,9 +377,13 @@ def _plain_layer(mesh, gemm, kind, args, t_dense_f, t_dense_b, flops, ref, check
     temp_f, temp_b = _temp_bytes(fwd, args), _temp_bytes(bwd, (x, w, wi, wo, ids))
     print(f"  {label}: forward {t_f:.1f} us (temp {_gib(temp_f)}), fwd+bwd {t_b:.1f} us "
           f"(temp {_gib(temp_b)})", flush=True)
-    return [dict(impl=label, plain=kind, pass_="forward", time_us=t_f,
-                 tflops=flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
-                 temp_bytes=temp_f),
+    forward = dict(impl=label, plain=kind, pass_="forward", time_us=t_f,
+                   tflops=flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
+                   temp_bytes=temp_f)
+    if profile:
+        forward["trace"] = _profile_split(os.path.join(profile, "plain_forward"), fwd, args,
+                                          label + " forward")
+    return [forward,
             dict(impl=label, plain=kind, pass_="fwd+bwd", time_us=t_b,
                  tflops=3 * flops / t_b / 1e6, x_dense=t_b / t_dense_b, temp_bytes=temp_b)]
 
@@ -626,10 +637,12 @@ def _traced(folder, fn, args):
     return trace_kernels(folder)
 
 
-def _profile_split(folder, fn, args):
-    """GPU kernel time of one call from a profiler trace: GEMM kernels vs the rest."""
+def _profile_split(folder, fn, args, label):
+    """GPU kernel time of one call from a profiler trace: GEMM kernels vs the rest (the eight
+    longest others by name), printed under ``label``."""
     kernels = _traced(folder, fn, args)
     if kernels is None:
+        print(f"  {label}: no trace under {folder}", flush=True)
         return {"error": f"no trace under {folder}"}
     total = sum(k["dur"] for k in kernels) / 3
     gemm = sum(k["dur"] for k in kernels if _is_gemm(k)) / 3
@@ -638,6 +651,8 @@ def _profile_split(folder, fn, args):
         if not _is_gemm(k):
             top[k["name"][:50]] = top.get(k["name"][:50], 0) + k["dur"] / 3
     top = sorted(top.items(), key=lambda kv: -kv[1])[:8]
+    print(f"  {label}: GPU kernels {total:.0f} us, GEMMs {gemm:.0f} us, the rest "
+          f"{total - gemm:.0f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in top), flush=True)
     return dict(kernel_us=total, gemm_us=gemm, other_us=total - gemm,
                 top_other={k: round(v, 1) for k, v in top})
 
@@ -782,7 +797,9 @@ def main(argv=None):
                     help="leave lax.ragged_dot out of the layer comparison")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--profile", default=None, help="trace the layer's fwd+bwd into this folder")
+    ap.add_argument("--profile", default=None,
+                    help="trace the layer's forward and fwd+bwd (the first implementation's) and "
+                         "the plain layer's forward into this folder")
     ap.add_argument("--devices", type=int, default=None, help="CPU devices per process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
