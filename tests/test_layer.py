@@ -301,10 +301,10 @@ def test_grouped_gemm_rules():
         grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(65536, jnp.int32))
     with pytest.raises(ValueError, match=re.escape(
-            "grouped_gemm: config must be one of (0, 1, 2, 3), got 4")):
+            "grouped_gemm: config must be one of (0, 1, 2, 3, 4), got 5")):
         grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32),
-                                  config=4)
+                                  config=5)
     if grouped_gemm.available() is not None:
         with pytest.raises(RuntimeError, match=re.escape(
                 "grouped_gemm: the CUTLASS grouped GEMM does not run here: "

@@ -44,7 +44,12 @@ using Problem = ProblemShape::UnderlyingProblemShape;
 //     mainloop (meant for short K, as drhs's ragged K; on an H200 the clusters did better);
 //   2 cooperative 256x128 in clusters of 1x2 (each A tile multicast by TMA to the two CTAs of
 //     a cluster: CUTLASS's example 57 for grouped problems);
-//   3 cooperative 128x256 in clusters of 2x1 (each B tile multicast to two CTAs).
+//   3 cooperative 128x256 in clusters of 2x1 (each B tile multicast to two CTAs);
+//   4 cooperative 128x256 in clusters of 1x2 (each A tile multicast to two CTAs).
+// CUTLASS's grouped tile scheduler rounds each group's tiles up to whole clusters: 2 and 3 to
+// 256 rows, so on a routing's uneven groups they run about 6% more row tiles than 0, 1 and 4
+// (docs/performance.md, "Equal groups flatter the clusters"); 4 clusters along N instead,
+// which every pass's N here divides into pairs of 256-wide tiles.
 // The clusters halve one operand's L2 -> SMEM traffic; whether that pays on a pass is measured
 // (layer_bench's GEMM rows), not assumed.
 template <class Tile, class Cluster, class Kernel, class Epi>
@@ -64,7 +69,8 @@ using Pingpong = TileConfig<Shape<_128, _128, _64>, Shape<_1, _1, _1>,
                             cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 using CooperativeTallCluster = CooperativeConfig<Shape<_256, _128, _64>, Shape<_1, _2, _1>>;
 using CooperativeWideCluster = CooperativeConfig<Shape<_128, _256, _64>, Shape<_2, _1, _1>>;
-constexpr int kConfigs = 4;
+using CooperativeRowCluster = CooperativeConfig<Shape<_128, _256, _64>, Shape<_1, _2, _1>>;
+constexpr int kConfigs = 5;
 
 // Calls f with config `config`'s TileConfig (a default-constructed tag).
 template <class F>
@@ -73,6 +79,7 @@ decltype(auto) with_config(int config, F&& f) {
     case 1: return f(Pingpong{});
     case 2: return f(CooperativeTallCluster{});
     case 3: return f(CooperativeWideCluster{});
+    case 4: return f(CooperativeRowCluster{});
     default: return f(Cooperative{});
   }
 }
