@@ -312,6 +312,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         mask_gib = L * cfg.expert_rows * H * jnp.dtype(dtype).itemsize / 2**30
         variants.append(("xla", not gpu or mask_gib <= xla_max_gib))
     for impl, fits in variants:
+        trace_dir = profile if impl == variants[0][0] else None  # (the first one's traces)
         # plain JAX, the same GEMM kernel (n == 1: every expert here)
         if n == 1 and fits and impl not in (FUSED, *FUSED_ROWS):
             kind = gm.resolve(impl, dtype)
@@ -319,7 +320,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                 ep_comm.grouped_matmul, implementation=kind))
             results += _plain_layer(mesh, gemm, kind, (xs, idss, ws, wis, wos), t_dense_f,
                                     t_dense_b, fwd_flops, ref, check, dtype, H, warmup, iters,
-                                    profile if impl == variants[0][0] else None)
+                                    trace_dir)
             yield partial()
         label = (f"moe_layer {FUSED}, {FUSED_ROWS[impl][1]}" if impl in FUSED_ROWS
                  else f"moe_layer {FUSED}" if impl == FUSED
@@ -340,8 +341,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                             time_us=t_f,
                             tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
                             temp_bytes=temp))
-        if profile and impl == variants[0][0]:
-            results[-1]["trace"] = _profile_split(os.path.join(profile, f"{impl}_forward"), fwd,
+        if trace_dir:
+            results[-1]["trace"] = _profile_split(os.path.join(trace_dir, f"{impl}_forward"), fwd,
                                                   (xs, idss, ws, wis, wos), label + " forward")
         yield partial()
         if gpu and impl == "xla":
@@ -350,8 +351,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         temp = _temp_bytes(bwd, (xs, ws, wis, wos, idss))
         rep = dict(impl=label, gemm=gemm_of(impl), pass_="fwd+bwd", time_us=t_b,
                    tflops=3 * fwd_flops / t_b / 1e6, x_dense=t_b / t_dense_b, temp_bytes=temp)
-        if profile and impl == variants[0][0]:
-            rep["trace"] = _profile_split(os.path.join(profile, f"{impl}_fwd_bwd"), bwd,
+        if trace_dir:
+            rep["trace"] = _profile_split(os.path.join(trace_dir, f"{impl}_fwd_bwd"), bwd,
                                           (xs, ws, wis, wos, idss), label + " fwd+bwd")
         print(f"  {label} fwd+bwd: {t_b:.1f} us, {t_b / t_dense_b:.2f}x dense, temp {_gib(temp)}",
               flush=True)
