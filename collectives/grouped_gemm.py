@@ -36,9 +36,10 @@ PASSES = ("forward", "dlhs", "drhs")
 # warpgroups on a 128x256 tile), 1 ping-pong (a 128x128 tile per warpgroup, one's epilogue under
 # the other's mainloop), 2 cooperative 256x128 in 1x2 clusters (A multicast), 3 cooperative
 # 128x256 in 2x1 clusters (B multicast), 4 cooperative 128x256 in 1x2 clusters (A multicast;
-# groups rounded to 128 rows, not 256 as in 2 and 3). The defaults per pass (DEFAULT_CONFIGS) are the configs
-# fastest over the up and down GEMMs of the pass in layer_bench's GEMM rows on an H200 at the
-# DeepSeek-V3 rank shape (docs/performance.md: every pass 0.95x-1.12x its dense einsum).
+# groups rounded to 128 rows, not 256 as in 2 and 3). The defaults per pass (DEFAULT_CONFIGS)
+# are the configs fastest over the up and down GEMMs of the pass in layer_bench's GEMM rows on
+# an H200 at the DeepSeek-V3 rank shape (docs/performance.md: every pass 0.95x-1.12x its dense
+# einsum).
 CONFIGS = (0, 1, 2, 3, 4)
 # The fused kernels' configs (cp.async, no clusters): fused_forward's FUSED_CONFIGS are 0
 # cooperative 128x256, 1 one warpgroup on 128x128, 2 as 0 with w's tiles loaded by TMA (the

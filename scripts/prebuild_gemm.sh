@@ -14,18 +14,20 @@ JAX_VERSION="${JAX_VERSION:-0.11.2}"
 WORK="${WORK:-/tmp/ep_comm_prebuild}"
 py="$(command -v "python$PY_VERSION" || true)"
 # (a pyenv shim answers even where that version is not selected: take the interpreter itself)
-[ -d "${PYENV_ROOT:-$HOME/.pyenv}/versions" ] && for d in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$PY_VERSION"*; do
-  [ -x "$d/bin/python$PY_VERSION" ] && py="$d/bin/python$PY_VERSION"
+pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+for d in "$pyenv_root"/versions/"$PY_VERSION"*; do
+  if [ -x "$d/bin/python$PY_VERSION" ]; then py="$d/bin/python$PY_VERSION"; fi
 done
 [ -n "$py" ] || { echo "prebuild_gemm: no python$PY_VERSION here (PY_VERSION)"; exit 1; }
 wheel="$(ls .whl/nvidia_cutlass-*.whl 2>/dev/null | head -1)"
-[ -n "$wheel" ] || { echo "prebuild_gemm: no .whl/nvidia_cutlass-*.whl (../shared/NOTES.md)"; exit 1; }
+[ -n "$wheel" ] || { echo "prebuild_gemm: no .whl/nvidia_cutlass-*.whl (NOTES.md)"; exit 1; }
 command -v nvcc > /dev/null || { echo "prebuild_gemm: no nvcc"; exit 1; }
 mkdir -p "$WORK"
 [ -x "$WORK/venv/bin/python" ] || "$py" -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" install -q nanobind "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" numpy 2>&1 \
   | grep -v "^WARNING: Location" || true
-rm -rf "$WORK/cutlass" && mkdir -p "$WORK/cutlass" && (cd "$WORK/cutlass" && unzip -q "$OLDPWD/$wheel")
+rm -rf "$WORK/cutlass" && mkdir -p "$WORK/cutlass"
+(cd "$WORK/cutlass" && unzip -q "$OLDPWD/$wheel")
 t0=$(date +%s)
 cmake -S . -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DPython_EXECUTABLE="$WORK/venv/bin/python" \
