@@ -49,7 +49,7 @@ using Problem = ProblemShape::UnderlyingProblemShape;
 // CUTLASS's grouped tile scheduler rounds each group's tiles up to whole clusters: 2 and 3 to
 // 256 rows, so on a routing's uneven groups they run about 6% more row tiles than 0, 1 and 4
 // (docs/performance.md, "Equal groups flatter the clusters"); 4 clusters along N instead,
-// which every pass's N here divides into pairs of 256-wide tiles.
+// which the benchmarked shapes' N divide into pairs of 256-wide tiles (all but I=768).
 // The clusters halve one operand's L2 -> SMEM traffic; whether that pays on a pass is measured
 // (layer_bench's GEMM rows), not assumed.
 template <class Tile, class Cluster, class Kernel, class Epi>
