@@ -100,14 +100,13 @@ if step gemm; then
   if [ "${GEMM_PREBUILT:-0}" = 1 ] && ls collectives/_ep_gemm*.so > /dev/null 2>&1; then
     echo "using the carried $(ls collectives/_ep_gemm*.so)"
   else
-    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
-      -DEP_COMM_CUTLASS_DIR=/tmp/ep_comm_site/cutlass_library/source > "$OUT/build_gemm.txt" 2>&1 \
-      && cmake --build build --target _ep_gemm gemm_layout_test >> "$OUT/build_gemm.txt" 2>&1 \
-      && cp build/collectives/csrc/_ep_gemm*.so collectives/ || { tail -30 "$OUT/build_gemm.txt"; exit 1; }
+    # (the layout test's line into build_gemm.txt: the device tool returns at most 8 files, the
+    # module among them; a failed build stops here, a failed layout test does not)
+    scripts/build_gemm.sh "$(command -v "$PY")" /tmp/ep_comm_site/cutlass_library/source build \
+      "$OUT/build_gemm.txt"
+    [ $? != 1 ] || exit 1
     echo "built in $(( $(date +%s) - t0 )) s"
     mkdir -p "$OUT/prebuilt" && cp collectives/_ep_gemm*.so "$OUT/prebuilt/"
-    # (into build_gemm.txt: the device tool returns at most 8 files, the module among them)
-    build/collectives/csrc/gemm_layout_test | tail -3 | tee -a "$OUT/build_gemm.txt"
   fi
   "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
   # GEMM_CHECKS=0: no selftest, probe or tests (a timing run with a module already checked)

@@ -29,12 +29,7 @@ mkdir -p "$WORK"
 rm -rf "$WORK/cutlass" && mkdir -p "$WORK/cutlass"
 (cd "$WORK/cutlass" && unzip -q "$OLDPWD/$wheel")
 t0=$(date +%s)
-cmake -S . -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DPython_EXECUTABLE="$WORK/venv/bin/python" \
-  -DEP_COMM_CUTLASS_DIR="$WORK/cutlass/cutlass_library/source" > "$WORK/build.txt" 2>&1
-cmake --build "$WORK/build" --target _ep_gemm gemm_layout_test >> "$WORK/build.txt" 2>&1 \
-  || { tail -30 "$WORK/build.txt"; exit 1; }
-"$WORK/build/collectives/csrc/gemm_layout_test" | tail -1
-cp "$WORK"/build/collectives/csrc/_ep_gemm*.so collectives/
+scripts/build_gemm.sh "$WORK/venv/bin/python" "$WORK/cutlass/cutlass_library/source" \
+  "$WORK/build" "$WORK/build.txt"
 echo "built in $(( $(date +%s) - t0 )) s: $(ls collectives/_ep_gemm*.so) (jaxlib $JAX_VERSION," \
      "python $PY_VERSION); carry it with .whl and run GEMM_PREBUILT=1 scripts/gpu_check.sh"

@@ -111,7 +111,8 @@ def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
     with pytest.raises(SystemExit):
         layer_bench.main(["--cutlass-configs", "forward=0,drhs=7"])
     assert "--cutlass-configs: each item must be pass=config with pass one of ('forward', " \
-        "'dlhs', 'drhs') and config one of (0, 1, 2, 3, 4), got 'drhs=7'" in capsys.readouterr().err
+        "'dlhs', 'drhs') and config one of (0, 1, 2, 3, 4), got 'drhs=7'" \
+        in capsys.readouterr().err
     path = tmp_path / "layer.json"  # the parts run in the order named, the JSON kept as they end
     # the GEMM rows on the layer's routing: ragged groups, each pass against its reference
     reports = layer_bench.main(["--tokens", "16", "--hidden", "16", "--intermediate", "8",
