@@ -39,7 +39,7 @@ from ep_comm.gemm import pass_implementations, pass_kernel, resolve
 from ep_comm.moe import combine, dispatch_steps
 from ep_comm.routes import drive
 from ep_comm.rows import gather_sum
-from topology.jax_compat import match_vma, sum_to_vma
+from topology.jax_compat import cotangent_like, match_vma
 
 KERNELS = ("cutlass", "reference")
 # moe_layer's implementation for this path: a choice of its own, not "auto"'s, because on an
@@ -156,7 +156,7 @@ def _fused_bwd(kernel, keep_u, forward_config, res, dy_w):
     d_rows = gather_sum(d_expert_x, recv_pos, first, out_dtype=dt)
     zeros = lambda a: jnp.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
     # typed as the primals (under shard_map the kernels' results carry no varying axes)
-    typed = lambda ct, p: match_vma(sum_to_vma(ct.astype(p.dtype), p), p)  # noqa: E731
+    typed = lambda ct, p: cotangent_like(ct.astype(p.dtype), p)  # noqa: E731
     return (typed(d_rows, rows), zeros(sources), zeros(recv_pos), zeros(group_sizes),
             typed(dw_in, w_in), typed(dw_out, w_out), typed(d_pair_w, pair_w))
 

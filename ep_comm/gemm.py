@@ -50,7 +50,7 @@ import numpy as np
 from jax import lax
 
 from collectives import grouped_gemm
-from topology.jax_compat import match_vma, vma_unchecked
+from topology.jax_compat import cotangent_like, match_vma, vma_unchecked
 
 PASSES = ("forward", "dlhs", "drhs")
 IMPLEMENTATIONS = ("auto", "xla", "tokamax", "cutlass")
@@ -278,7 +278,8 @@ def _grouped_bwd(impls, out_dtype, zero_tail, res, dy):
     dx = pass_kernel("dlhs", impls[1])(dy, w, group_sizes, x.dtype)
     dw = pass_kernel("drhs", impls[2])(x, dy, group_sizes, w.dtype)
     gs_cot = np.zeros(group_sizes.shape, jax.dtypes.float0)
-    return match_vma(dx, x), match_vma(dw, w), gs_cot
+    # (a weight replicated over a data axis: its gradient summed over that axis)
+    return cotangent_like(dx, x), cotangent_like(dw, w), gs_cot
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

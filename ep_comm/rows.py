@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from collectives import row_kernels
-from topology.jax_compat import match_vma, sum_to_vma
+from topology.jax_compat import cotangent_like, match_vma
 
 
 def _valid(idx, size):
@@ -78,16 +78,10 @@ def _gather_rows_fwd(table, idx, inv):
 def _gather_rows_bwd(res, d_out):
     idx, inv, like = res
     d_table = gather_sum(d_out, inv, _valid(inv, d_out.shape[0]), out_dtype=like.dtype)
-    return _like(d_table, like), _int_zero(idx), _int_zero(inv)
+    return cotangent_like(d_table, like), _int_zero(idx), _int_zero(inv)
 
 
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
-
-
-def _like(ct, primal):
-    """``ct`` typed as ``primal``'s cotangent inside ``shard_map``: summed over the mesh axes only
-    it varies over, marked varying over those only ``primal`` varies over."""
-    return match_vma(sum_to_vma(ct, primal), primal)
 
 
 def _int_zero(a):
@@ -149,7 +143,8 @@ def _gather_sum_bwd(weighted, out_dtype, res, d_out):
                     * d_out, axis=1) for k in range(K)], axis=1).astype(weights.dtype)
     else:
         d_w = jnp.zeros_like(weights)
-    return _like(d_table, table), _int_zero(idx), _int_zero(ok), _like(d_w, weights)
+    return (cotangent_like(d_table, table), _int_zero(idx), _int_zero(ok),
+            cotangent_like(d_w, weights))
 
 
 _gather_sum.defvjp(_gather_sum_fwd, _gather_sum_bwd)

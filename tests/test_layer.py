@@ -881,7 +881,7 @@ def test_nnx_module_rejects_bad_input(n):
     if n > 1:
         with pytest.raises(ValueError, match=re.escape(
                 f"ep_comm.nnx.MoE: the {n + 1} tokens of x must be divisible by the {n} devices "
-                f"of mesh axis 'ep'")):
+                f"of mesh axes ('ep',)")):
             m(jnp.zeros((n + 1, H)))
 
 

@@ -79,6 +79,13 @@ def sum_to_vma(ct, like):
     return jax.lax.psum(ct, extra) if extra else ct
 
 
+def cotangent_like(ct, primal):
+    """``ct`` typed as ``primal``'s cotangent inside ``shard_map``, for custom VJP rules: summed
+    over the mesh axes only it varies over (a weight replicated over a data axis gets the sum of
+    that axis's gradients), marked varying over those only ``primal`` varies over."""
+    return match_vma(sum_to_vma(ct, primal), primal)
+
+
 def command_buffer_traits() -> dict:
     """``register_ffi_target`` keyword arguments marking a handler safe to capture into XLA's
     command buffers (CUDA graphs): it launches the same device work for the same shapes and
