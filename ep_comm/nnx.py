@@ -203,9 +203,9 @@ class MoE(nnx.Module):
             raise ValueError(f"ep_comm.nnx.MoE: x must have shape (..., hidden) = "
                              f"(..., {self.hidden}), got {tuple(x.shape)}")
         lead = x.shape[:-1]
+        cfg = self.ep_config(int(np.prod(lead, dtype=np.int64)))
         rows, experts = P(self.token_axes), P(self.axis_name)
         tokens = self._reshape(x, (-1, self.hidden), rows).astype(self.dtype)
-        cfg = self.ep_config(tokens.shape[0])
         shared = self.shared_w_in is not None
         cast = lambda p: p[...].astype(self.dtype)
 
