@@ -15,6 +15,7 @@ from topology import PLANS, WIRE_FORMATS, CostModel, Topology, row_bytes
 from topology.checks import dtype_arg, positive_int
 
 OVERFLOW_MODES = ("count", "raise")
+INVALID_IDS_MODES = ("warn", "raise", "ignore")
 PLAN_CHOICES = ("auto", *PLANS)
 CHUNK_BY = ("tokens", "experts")
 
@@ -39,9 +40,18 @@ class EPConfig:
         in rounds of at most ``recv_capacity`` pairs per rank (:mod:`ep_comm.rounds`).
       backend: transport for the exchanges: ``"auto"``, ``"portable"``, ``"xla"``, ``"nccl"`` or
         ``"mpi"`` (see :func:`ep_comm.ragged_all_to_all` and :mod:`collectives`).
-      overflow: ``"count"`` (default: overflow is counted in the handle; call
-        :func:`ep_comm.check` on it) or ``"raise"`` (dispatch raises ``EPOverflowError`` at run time
-        when any pair is dropped or any expert id is out of range).
+      overflow: ``"count"`` (default: pairs a user-set ``recv_capacity`` drops are counted in the
+        handle; call :func:`ep_comm.check` on it) or ``"raise"`` (dispatch raises
+        ``EPOverflowError`` at run time when any pair is dropped: catch it around a step wrapped
+        in :func:`ep_comm.checked`; see :mod:`ep_comm.overflow`).
+      invalid_ids: what an expert id outside ``[-1, num_experts)`` in ``topk_ids`` does (a bug in
+        the caller: ``-1`` is the documented "no expert"; such ids are never routed):
+        ``"warn"`` (an ``ep_comm.overflow.EPInvalidIdsWarning`` once per program, with the count,
+        the first bad id and the rank that saw it), ``"raise"`` (``EPOverflowError`` at run time,
+        as ``overflow="raise"``) or ``"ignore"`` (counted in the handle only). Default ``None``:
+        ``"raise"`` with ``overflow="raise"``, else ``"warn"``. Checking costs a step without bad
+        ids a ``lax.cond`` on counts dispatch gathers anyway; the host callback runs only when an
+        id is bad.
       combine_dtype: dtype of the partial sums sent back by combine (default ``None``: the dtype
         of ``expert_y``). ``"float32"`` makes bf16 combine exact up to one final rounding, at twice
         the bytes.
@@ -111,6 +121,7 @@ class EPConfig:
     recv_capacity: int | None = None
     backend: str = "auto"
     overflow: str = "count"
+    invalid_ids: str | None = None
     combine_dtype: str | None = None
     plan: str = "auto"
     topology: Topology | None = None
@@ -144,6 +155,9 @@ class EPConfig:
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(f"{owner}: overflow must be one of {OVERFLOW_MODES}, "
                              f"got {self.overflow!r}")
+        if self.invalid_ids is not None and self.invalid_ids not in INVALID_IDS_MODES:
+            raise ValueError(f"{owner}: invalid_ids must be None or one of {INVALID_IDS_MODES}, "
+                             f"got {self.invalid_ids!r}")
         if self.combine_dtype is not None:
             try:
                 dt = np.dtype(self.combine_dtype)
@@ -208,16 +222,27 @@ class EPConfig:
         compare it across ranks on every exchange and fail on a mismatch."""
         fields = (self.num_ranks, self.num_experts, self.topk, self.tokens_per_rank,
                   self.recv_capacity, self.combine_dtype, self.plan, self.wire_format,
+                  self.ids_check,
                   None if self.topology is None else self.topology.shape)
         return zlib.crc32(repr(fields).encode())
+
+    @property
+    def ids_check(self) -> str:
+        """What ids out of range do: ``invalid_ids``, or its default (``"raise"`` with
+        ``overflow="raise"``, else ``"warn"``)."""
+        if self.invalid_ids is not None:
+            return self.invalid_ids
+        return "raise" if self.overflow == "raise" else "warn"
 
     # Derived sizes -------------------------------------------------------------------------------
     @property
     def placement(self) -> ExpertPlacement:
+        """Which rank holds which experts: contiguous blocks of :attr:`experts_per_rank`."""
         return ExpertPlacement(self.num_experts, self.num_ranks)
 
     @property
     def experts_per_rank(self) -> int:
+        """Experts each rank holds: ``num_experts // num_ranks``."""
         return self.num_experts // self.num_ranks
 
     @property

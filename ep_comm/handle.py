@@ -34,6 +34,9 @@ class EPHandle:
         ``recv_capacity``. Always 0 with the default (worst-case) capacity.
       num_invalid: ``(1,)`` int32; expert ids of this rank's tokens outside ``[-1, num_experts)``
         (not routed).
+      first_invalid: ``(4,)`` int32; ``[count, token, k, value]`` of this rank's first such id in
+        ``topk_ids`` (row-major; ``[0, -1, -1, 0]`` when there is none): what
+        :func:`ep_comm.check` names.
       traffic: ``(2, n)`` int32; row 0: tokens this rank sends to each rank (before capacity
         clipping), row 1: tokens it receives from each rank (after clipping), whatever the plan.
       link_rows: ``(2, len(topology.LINK_CLASSES))`` int32; rows this rank sends over each link
@@ -63,6 +66,7 @@ class EPHandle:
     num_recv_tokens: jax.Array
     num_dropped: jax.Array
     num_invalid: jax.Array
+    first_invalid: jax.Array
     traffic: jax.Array
     link_rows: jax.Array
     token_send_row: jax.Array

@@ -45,7 +45,7 @@ from ep_comm.expand import ZERO_TAIL_ROWS, expand, expert_rows_read
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids, token_routes
 from ep_comm import wire
-from ep_comm.overflow import runtime_check
+from ep_comm.overflow import first_invalid, invalid_ids_message, report, runtime_check
 from ep_comm.rows import gather_sum
 from ep_comm.routes import (Exchange, drive, exclusive_cumsum, flat_route, gather_counts,
                             hierarchical_route, is_local, link_rows, local_route)
@@ -144,7 +144,14 @@ def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quanti
     mine = [tr.tokens_per_rank, tr.pairs_per_rank]
     if hierarchical:
         mine.append(jnp.sum(in_node, axis=0, dtype=i32))
+    bad_ids = first_invalid(topk_ids, cfg.num_experts)  # [count, token, k, value]
+    checks_ids = cfg.ids_check != "ignore"
+    if checks_ids:  # every rank's, with the traffic counts (no collective of its own)
+        mine.append(bad_ids)
     counts = gather_counts(cfg, jnp.concatenate(mine), api)
+    if checks_ids:
+        ids_flag = report(cfg, counts[:, -4:], invalid_ids_message, cfg.ids_check)
+        counts = counts[:, :-4]
     tok = counts[:, :n]  # [s, d] tokens s -> d
     pairs = counts[:, n:2 * n]  # [s, d] (token, expert) pairs s -> d
     recv_start = exclusive_cumsum(tok, axis=0)  # row of d's receive buffer for s, uncapped
@@ -182,7 +189,8 @@ def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quanti
         group_sizes=ex.group_sizes,
         num_recv_tokens=num_recv.astype(i32)[None],
         num_dropped=(expected - ex.num_grouped).astype(i32)[None],
-        num_invalid=tr.num_invalid[None],
+        num_invalid=tr.num_invalid[None] + (ids_flag if checks_ids else 0),
+        first_invalid=bad_ids,
         traffic=jnp.stack([tok[me], kept[:, me]]),
         link_rows=sent,
         token_send_row=moved.token_send_row,

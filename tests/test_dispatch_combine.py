@@ -230,7 +230,7 @@ def test_small_capacity_overflow_is_counted_and_reported(sharded, n, rng, backen
     np.testing.assert_array_equal(ex.reshape(n, cfg.expert_rows, H), ref.expert_x(x))
     np.testing.assert_allclose(y, ref.combine(x, ids, w), rtol=1e-6, atol=1e-6)
     ranks = ", ".join(f"rank {r}: {v}" for r, v in enumerate(ref.dropped) if v)
-    msg = (f"ep_comm dispatch dropped {ref.dropped.sum()} (token, expert) pairs ({ranks}): the "
+    msg = (f"ep_comm dispatch: dropped {ref.dropped.sum()} (token, expert) pairs ({ranks}): the "
            f"expert buffer holds recv_capacity={T} rows per rank; the dropless worst case is "
            f"{cfg.worst_case_rows} (EPConfig(recv_capacity=None))")
     with pytest.raises(ep_comm.EPOverflowError, match=re.escape(msg)):
@@ -241,7 +241,7 @@ def test_small_capacity_overflow_is_counted_and_reported(sharded, n, rng, backen
 def test_overflow_raise_mode_raises_at_run_time(sharded, n, rng):
     cfg = config(n, recv_capacity=T, overflow="raise")
     x, ids, w = inputs(rng, n, "one_rank")
-    with pytest.raises(Exception, match=re.escape("ep_comm dispatch dropped")):
+    with pytest.raises(Exception, match=re.escape("ep_comm dispatch: dropped")):
         run_identity(sharded, cfg, x, ids, w)
     cfg_ok = config(n, overflow="raise")
     run_identity(sharded, cfg_ok, x, ids, w)  # dropless: nothing to raise
@@ -257,7 +257,7 @@ def test_check_inside_shard_map(sharded, n, rng):
         h = ep_comm.check(h)
         return ep_comm.combine(ex, h)
 
-    with pytest.raises(Exception, match=re.escape("ep_comm dispatch dropped")):
+    with pytest.raises(Exception, match=re.escape("ep_comm dispatch: dropped")):
         sharded.get(sharded.smap(f)(*sharded.put(x, ids, w)))
     # The same program with a dropless config runs through (and leaves no failed effect behind).
     cfg = config(n)
@@ -269,12 +269,17 @@ def test_out_of_range_ids_are_counted_and_reported(sharded, n, rng):
     x, ids, w = inputs(rng, n, "random")
     ids[3, 1] = cfg.num_experts
     ids[5, 0] = -7
-    ex, y, h = run_identity(sharded, cfg, x, ids, w)
+    E = cfg.num_experts
+    # both in rank 0's block (T = 16 rows); the first (row-major): row 3, k = 1
+    msg = (f"ep_comm dispatch: topk_ids holds 2 expert ids outside [-1, {E}) (rank 0: 2 of mesh "
+           f"axis 'ep'), which were not routed; the first: topk_ids[3, 1] = {E} on rank 0")
+    # by default the run says so (once per program), and still runs
+    with pytest.warns(ep_comm.EPInvalidIdsWarning, match=re.escape(msg)):
+        ex, y, h = run_identity(sharded, cfg, x, ids, w)
     assert h.num_invalid.sum() == 2
     ref = Reference(ids, n, cfg.num_experts, T, cfg.expert_rows, cfg.recv_token_rows)
     np.testing.assert_allclose(y, ref.combine(x, ids, w), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ep_comm.EPOverflowError, match=re.escape(
-            f"ep_comm dispatch 2 expert ids outside [-1, {cfg.num_experts}) were not routed")):
+    with pytest.raises(ep_comm.EPOverflowError, match=re.escape(msg)):
         ep_comm.check(h)
 
 
