@@ -147,6 +147,11 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
             raise ValueError(f"{api}: w_in must have shape (experts_per_rank, hidden, "
                              f"2 * intermediate), got {tuple(w_in.shape)}")
         inter = w_in.shape[2] // 2
+        if (w_out.ndim == 3 and w_in.shape[1] == w_out.shape[2] != H
+                and w_out.shape[:2] == (L, inter)):  # the weights agree on hidden: x is off
+            raise ValueError(f"{api}: x must have shape (tokens_per_rank, hidden) = "
+                             f"({config.tokens_per_rank}, {w_in.shape[1]}) (hidden as w_in and "
+                             f"w_out have it), got {tuple(x.shape)}")
         _check_weight(api, "w_in", w_in, (L, H, 2 * inter), x.dtype,
                       "(experts_per_rank = num_experts / num_ranks, hidden, 2 * intermediate)")
         _check_weight(api, "w_out", w_out, (L, inter, H), x.dtype,

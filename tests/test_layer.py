@@ -798,6 +798,8 @@ def test_layer_rejects_bad_input(sharded, n):
            w_out=w_out.astype(jnp.float16))
     raises("moe_layer: x must be a floating array of shape (tokens_per_rank, hidden), "
            f"got int32 ({T}, {H})", x=x.astype(jnp.int32))
+    raises(f"moe_layer: x must have shape (tokens_per_rank, hidden) = ({T}, {H}) (hidden as "
+           f"w_in and w_out have it), got ({T}, {H + 3})", x=jnp.zeros((T, H + 3), jnp.float32))
     raises("moe_layer: pass the SwiGLU weights w_in and w_out, or experts=; got w_in=set, "
            "w_out=None", w_out=None)
     raises("moe_layer: pass either experts= or the SwiGLU weights w_in/w_out, not both",
