@@ -1,7 +1,9 @@
 """A small MoE transformer trained with expert parallelism through ep_comm (plain JAX + optax).
 
-Every device of a 1-D mesh ``("ep",)`` holds a slice of the batch (data parallel) and
-``num_experts / num_devices`` experts (expert parallel). Each MoE layer routes its tokens with a
+Every device of a mesh ``("data", "ep")`` holds a slice of the batch (the batch is split over both
+axes) and ``num_experts / ep`` experts (expert parallel over ``"ep"``, the same experts on every
+``"data"`` row); the other weights are replicated. ``--mesh data=2,ep=4`` picks the shape; the
+default is ``ep`` over every device (``data=1``). Each MoE layer routes its tokens with a
 top-k softmax router and runs ``ep_comm.moe_layer``: dispatch to the experts' devices, the local
 SwiGLU experts as grouped GEMMs (``ep_comm.grouped_matmul``: tokamax's kernels on Hopper, ``ragged_dot``
 on CPU), combine back: dropless, whatever the routing.
@@ -12,6 +14,8 @@ vocabulary, ``tok[i+1] = perm[tok[i]]``, which the model learns in a few hundred
 Run (8 CPU devices, no GPU needed)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/moe_transformer.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/moe_transformer.py \
+        --mesh data=2,ep=4   # data x expert parallel: 4 experts' groups, each twice
 
 At step 0 the script checks that the expert-parallel model gives the same logits as the same
 parameters run densely on one device (every token through its top-k experts, no communication).
@@ -82,7 +86,8 @@ def init_params(cfg: ModelConfig, key):
 
 
 def param_specs(params):
-    """Experts sharded over "ep" (their leading axis), everything else replicated."""
+    """Experts sharded over "ep" (their leading axis), everything else replicated (over "data"
+    too: JAX sums their gradients over the axes they are replicated on)."""
     spec = lambda path, _: P("ep") if path[-1].key in ("w_in", "w_out") else P()
     return jax.tree_util.tree_map_with_path(spec, params)
 
@@ -143,18 +148,42 @@ def cross_entropy(logits, tokens):
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
 
 
-class Trainer:
-    """Builds the expert-parallel train step over all devices on a ("ep",) mesh."""
+ROWS = P(("data", "ep"))  # the batch: split over both axes
 
-    def __init__(self, cfg: ModelConfig, batch: int, seed: int = 0, lr: float = 3e-3):
+
+def parse_mesh(text: str | None, devices: int) -> dict[str, int]:
+    """``"data=2,ep=4"`` -> ``{"data": 2, "ep": 4}`` (default: ``ep`` over every device)."""
+    if text is None:
+        return {"data": 1, "ep": devices}
+    sizes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if name not in ("data", "ep") or not size.isdigit() or int(size) < 1 or name in sizes:
+            raise ValueError(f"--mesh must be data=D,ep=E (positive sizes), got {text!r}")
+        sizes[name] = int(size)
+    sizes = {"data": sizes.get("data", 1), "ep": sizes.get("ep", devices // sizes.get("data", 1))}
+    if sizes["data"] * sizes["ep"] != devices:
+        raise ValueError(f"--mesh {text!r}: data x ep = {sizes['data'] * sizes['ep']} must equal "
+                         f"the {devices} devices")
+    return sizes
+
+
+class Trainer:
+    """Builds the data x expert parallel train step over all devices on a ("data", "ep") mesh."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, seed: int = 0, lr: float = 3e-3,
+                 mesh: str | None = None):
         self.cfg, self.batch = cfg, batch
-        self.mesh = jax.make_mesh((jax.device_count(),), ("ep",),
-                                  axis_types=(jax.sharding.AxisType.Auto,))
-        n = self.mesh.shape["ep"]
-        if batch % n:
-            raise ValueError(f"batch={batch} must be divisible by the {n} devices")
+        sizes = parse_mesh(mesh, jax.device_count())
+        self.mesh = jax.make_mesh((sizes["data"], sizes["ep"]), ("data", "ep"),
+                                  axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        n, split = sizes["ep"], sizes["data"] * sizes["ep"]
+        if batch % split:
+            raise ValueError(f"batch={batch} must be divisible by the {split} devices")
+        if cfg.num_experts % n:
+            raise ValueError(f"num_experts={cfg.num_experts} must be divisible by ep={n}")
         self.ep = ep_comm.EPConfig(axis_name="ep", num_ranks=n, num_experts=cfg.num_experts,
-                                   topk=cfg.topk, tokens_per_rank=batch // n * cfg.seq)
+                                   topk=cfg.topk, tokens_per_rank=batch // split * cfg.seq)
         self.perm = np.random.default_rng(seed).permutation(cfg.vocab)
         self.data_rng = np.random.default_rng(seed + 1)
         host_params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(seed)))
@@ -172,13 +201,34 @@ class Trainer:
             return forward(params, tokens, cfg, moe)
 
         self.logits = jax.jit(jax.shard_map(local_logits, mesh=self.mesh,
-                                            in_specs=(self.specs, P("ep")), out_specs=P("ep")))
+                                            in_specs=(self.specs, ROWS), out_specs=ROWS))
 
-        def loss_fn(params, tokens):
-            return cross_entropy(self.logits(params, tokens), tokens)
+        def local_loss_and_grads(params, tokens):
+            """One device's share of the loss and the gradients, summed over the devices. Every
+            weight is marked varying first, so that JAX inserts no sums of its own: the sums run
+            here, chained -- one all-reduce of everything over "data", then one over "ep" of what
+            is replicated there (all but the experts) -- so every device runs them in the same
+            order (XLA:CPU may start independent all-reduces over different device groups in a
+            different order on different devices, which can leave them waiting for each other)."""
+            expert = lambda path: path[-1].key in ("w_in", "w_out")  # noqa: E731
+            params = jax.tree_util.tree_map_with_path(  # (experts already vary over "ep")
+                lambda path, a: jax.lax.pcast(a, ("data",) if expert(path) else ("data", "ep"),
+                                              to="varying"), params)
+
+            def loss_fn(p):
+                return cross_entropy(local_logits(p, tokens), tokens) / split
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            loss, grads = jax.lax.psum((loss, grads), "data")
+            loss, grads = jax.lax.psum(loss, "ep"), jax.tree_util.tree_map_with_path(
+                lambda path, g: g if expert(path) else jax.lax.psum(g, "ep"), grads)
+            return loss, grads
+
+        grads_fn = jax.shard_map(local_loss_and_grads, mesh=self.mesh,
+                                 in_specs=(self.specs, ROWS), out_specs=(P(), self.specs))
 
         def step(params, opt_state, tokens):
-            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+            loss, grads = grads_fn(params, tokens)
             updates, opt_state = self.opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
@@ -193,7 +243,7 @@ class Trainer:
         return toks
 
     def put_tokens(self, toks):
-        return ep_comm.distributed.global_array(toks, NamedSharding(self.mesh, P("ep")))
+        return ep_comm.distributed.global_array(toks, NamedSharding(self.mesh, ROWS))
 
     def check_against_dense(self, toks):
         """Max |EP logits - dense single-device logits| with the current (initial) parameters.
@@ -258,6 +308,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--devices", type=int, default=None,
                     help="CPU devices per process (default: what XLA_FLAGS gives)")
+    ap.add_argument("--mesh", default=None,
+                    help="data=D,ep=E: the batch over both axes, the experts over ep "
+                         "(default: ep over every device)")
     for field in dataclasses.fields(ModelConfig):  # e.g. --dim 64 shrinks a preset
         ap.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
                         default=None, help=argparse.SUPPRESS)
@@ -275,12 +328,12 @@ def main(argv=None):
     steps = args.steps if args.steps is not None else (300 if preset == "tiny" else 20)
     if preset != "tiny":
         return time_steps(cfg, batch, steps, args.seed)
-    trainer = Trainer(cfg, batch, seed=args.seed)
-    n = trainer.mesh.shape["ep"]
+    trainer = Trainer(cfg, batch, seed=args.seed, mesh=args.mesh)
+    n, d = trainer.mesh.shape["ep"], trainer.mesh.shape["data"]
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
     say(f"MoE transformer: {cfg.layers} layers, {cfg.num_experts} experts top-{cfg.topk}, "
-        f"expert parallel over {n} {jax.default_backend()} devices "
+        f"data x expert parallel over {d} x {n} {jax.default_backend()} devices "
         f"({cfg.num_experts // n} experts and {trainer.ep.tokens_per_rank} tokens per device)")
     err, scale = trainer.check_against_dense(trainer.sample())
     say(f"step 0: expert-parallel vs dense single-device logits: max |diff| = {err:.2e} "

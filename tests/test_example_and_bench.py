@@ -16,9 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import moe_transformer  # noqa: E402
 
 
-def _trainer(n):
+def _trainer(n, mesh=None):
     cfg = moe_transformer.ModelConfig(layers=1, num_experts=2 * n, dim=32, ffn=64, seq=8)
-    trainer = moe_transformer.Trainer(cfg, batch=2 * n, seed=1)
+    trainer = moe_transformer.Trainer(cfg, batch=2 * n, seed=1, mesh=mesh)
     err, scale = trainer.check_against_dense(trainer.sample())
     assert err <= 1e-5 * max(1.0, scale), (err, scale)
     return trainer
@@ -27,6 +27,27 @@ def _trainer(n):
 def test_example_matches_dense_at_step_0_and_learns(n):
     losses = _trainer(n).train(80, log=None)
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_example_trains_data_x_expert_parallel(n):
+    """``--mesh data=2,ep=n/2``: the batch over both axes, each expert on 2 devices; the model
+    equals the dense one at step 0 and learns."""
+    if n < 4 or n % 2:
+        pytest.skip(f"a data x expert mesh needs an even device count of at least 4, got {n}")
+    trainer = _trainer(n, mesh=f"data=2,ep={n // 2}")
+    assert dict(trainer.mesh.shape) == {"data": 2, "ep": n // 2}
+    assert trainer.ep.num_ranks == n // 2 and trainer.ep.tokens_per_rank == 2 * 8
+    losses = trainer.train(30, log=None)
+    assert losses[-1] < 0.8 * losses[0], losses[::5]
+
+
+def test_example_rejects_a_bad_mesh(n):
+    with pytest.raises(ValueError, match="--mesh must be data=D,ep=E \\(positive sizes\\), "
+                                         "got 'data=2,tp=4'"):
+        moe_transformer.parse_mesh("data=2,tp=4", n)
+    with pytest.raises(ValueError, match=f"--mesh 'data={n + 1}': data x ep = 0 must equal the "
+                                         f"{n} devices"):
+        moe_transformer.parse_mesh(f"data={n + 1}", n)
 
 
 @pytest.mark.multiprocess
