@@ -23,6 +23,9 @@ autodoc_typehints = "none"  # signatures carry them; docstrings say shapes and d
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # "Attributes:" as fields of the class, not entries beside its members
+# the fields' text gives shapes and dtypes; their annotations would show private paths
+# (jax.Array as jax.jaxlib._jax.Array): doccheck fails a docstring that shows one
+napoleon_attr_annotations = False
 html_theme = "alabaster"
 html_title = "ep_comm"
 

@@ -109,6 +109,8 @@ class CostModel:
         return float(exchange_seconds + steps + chunks * self.step_seconds)
 
     def link(self, cls: str) -> Link:
+        """The :class:`Link` (latency, bandwidth) of link class ``cls`` (one of
+        ``LINK_CLASSES``)."""
         if cls not in LINK_CLASSES:
             raise ValueError(f"CostModel: link class must be one of {LINK_CLASSES}, got {cls!r}")
         return getattr(self, cls)

@@ -91,6 +91,7 @@ class Topology:
     # Shape ---------------------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:
+        """Nodes (hosts) of the machine."""
         return len(self.nodes)
 
     @property
@@ -106,6 +107,7 @@ class Topology:
 
     @property
     def num_ranks(self) -> int:
+        """Devices of every node together: the ranks of an expert-parallel axis over it."""
         return sum(len(n.devices) for n in self.nodes)
 
     @property
@@ -114,6 +116,7 @@ class Topology:
         return self.num_nodes, self.gpus_per_node
 
     def node_of(self, rank: int) -> int:
+        """The node holding ``rank`` (ranks are node-major: node ``rank // gpus_per_node``)."""
         return rank // self.gpus_per_node
 
     def intra_node_link(self) -> str:
@@ -137,6 +140,8 @@ class Topology:
         return self.intra_node_link()
 
     def check_ranks(self, num_ranks: int, owner: str = "Topology") -> None:
+        """Raise ``ValueError`` (worded for ``owner``) unless the topology has ``num_ranks``
+        ranks."""
         if self.num_ranks != num_ranks:
             raise ValueError(f"{owner}: the topology has {self.num_nodes} nodes x "
                              f"{self.gpus_per_node} devices = {self.num_ranks} ranks but the "
@@ -144,10 +149,13 @@ class Topology:
 
     # Serialisation -------------------------------------------------------------------------------
     def to_json(self) -> str:
+        """The topology as JSON text (:meth:`from_json` reads it back)."""
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str, source: str | None = None) -> "Topology":
+        """The topology in JSON ``text`` (as :meth:`to_json` writes it); a malformed text raises
+        ``ValueError`` naming ``source``."""
         try:
             raw = json.loads(text)
             nodes = tuple(Node(n["host"], tuple(
@@ -160,11 +168,13 @@ class Topology:
         return cls(nodes, source if source is not None else raw.get("source", "file"))
 
     def save(self, path) -> None:
+        """Write the topology to the file ``path`` as JSON (``EP_COMM_TOPOLOGY`` can name it)."""
         with open(path, "w") as f:
             f.write(self.to_json())
 
     @classmethod
     def load(cls, path) -> "Topology":
+        """The topology saved in the file ``path`` (:meth:`save`)."""
         with open(path) as f:
             return cls.from_json(f.read(), source=f"file:{path}")
 
