@@ -195,3 +195,24 @@ def test_cli_writes_table_json_and_png(tmp_path, capsys):
     assert max(at8) == 1.0 and all(e <= 1.0 for e in at8), at8
     pytest.importorskip("matplotlib", reason="the PNG needs matplotlib (ep_comm[plot])")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ep_vs_dp_prices_memory_exchange_and_the_gradient_sum():
+    from topology import parallelism
+
+    spec = LayerSpec(tokens_per_gpu=512)
+    rows = parallelism.ep_vs_dp(32, (8, 32), spec=spec, sample_tokens=64)
+    params = [spec.experts // ep * 3 * spec.hidden * spec.intermediate for ep in (8, 32)]
+    for r, p, ep in zip(rows, params, (8, 32)):
+        assert (r["ep"], r["dp"], r["experts_per_gpu"]) == (ep, 32 // ep, spec.experts // ep)
+        assert r["expert_bytes"] == 2 * p and r["adam_bytes"] == 12 * p
+        assert r["fsdp_bytes"] == pytest.approx(14 * p / r["dp"])
+        assert r["grad_allreduce_bytes"] == pytest.approx(2 * (r["dp"] - 1) / r["dp"] * 2 * p)
+    # EP inside one node sends nothing between nodes; over 4 nodes it does, and needs no sum
+    assert rows[0]["network_bytes"] == 0 and rows[1]["network_bytes"] > 0
+    assert rows[1]["grad_allreduce"] == 0 and rows[0]["grad_allreduce"] > 0
+    assert rows[1]["exchange"] > rows[0]["exchange"]
+    assert "grad AR ms" in parallelism.table(rows)
+    with pytest.raises(ValueError, match=re.escape(
+            "ep_vs_dp: ep=12 must divide gpus=32 and experts=256")):
+        parallelism.ep_vs_dp(32, (12,))
