@@ -22,6 +22,10 @@ a GEMM whose contracting dimension is ragged). Implementations:
   3.x pointer-array kernels, sm_90a, built when the ``nvidia-cutlass`` headers are present),
   bf16/f16 with K and N multiples of 8, every pass in the layout it is given (``dlhs`` reads ``w``
   K-major in place, ``drhs`` reads ``x`` M-major in place: no transposes).
+- ``"megablox"``: JAX's Pallas TPU grouped GEMM (``jax.experimental.pallas.ops.tpu.megablox``,
+  what MaxText runs on TPUs): ``gmm`` for the forward and ``dlhs``, ``tgmm`` for ``drhs``, with
+  tiles per pass and shape from a measured table (:func:`megablox_tiling`). Every float dtype;
+  off TPU it runs in Pallas's interpret mode (for tests).
 - ``"auto"`` (default): on a Hopper GPU with 16-bit dtypes, ``"cutlass"`` for each pass whose
   operands its kernel takes (on an H200 at the DeepSeek-V3 EP8 rank shape its forward and dlhs
   ran at 1.09x the dense einsum of the same FLOPs, tokamax's at 1.12x and 1.71x:
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import sys
@@ -53,7 +58,7 @@ from collectives import grouped_gemm
 from topology.jax_compat import cotangent_like, match_vma, vma_unchecked
 
 PASSES = ("forward", "dlhs", "drhs")
-IMPLEMENTATIONS = ("auto", "xla", "tokamax", "cutlass")
+IMPLEMENTATIONS = ("auto", "xla", "tokamax", "cutlass", "megablox")
 
 # ragged over the rows of lhs, rhs grouped over its leading axis: (M, K) x (G, K, N) -> (M, N)
 _RAGGED_ROWS = lax.RaggedDotDimensionNumbers(
@@ -119,6 +124,27 @@ def _tokamax_kernel(config: tuple | None):
     mod, kernel = _tokamax_op()[0]
     config = None if config is None else mod.Config(**dict(config))
     return kernel(config=config)
+
+
+# megablox (jax.experimental.pallas.ops.tpu.megablox: the Pallas TPU grouped GEMM MaxText runs):
+# tiles (tm, tk, tn) per pass and per (K, N) of that pass's product, picked by a sweep on a TPU v5e
+# (docs/bench/tpu_v5e/megablox/: scripts/tpu_megablox.py). Elsewhere MaxText's default.
+MEGABLOX_DEFAULT_TILING = (512, 1024, 1024)
+MEGABLOX_TILINGS: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+
+
+def megablox_tiling(pass_name: str, m: int, k: int, n: int,
+                    tiling: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """The megablox tiles of one pass over ``(M, K) -> (M, N)`` (``drhs``: ``M`` the ragged
+    contracting rows): ``tiling``, or :data:`MEGABLOX_TILINGS`' entry, or
+    :data:`MEGABLOX_DEFAULT_TILING`, each clipped to its dimension (``tk`` and ``tn`` may leave a
+    remainder, which the kernel masks; ``tm`` is halved until it divides ``M``, to 8 at least:
+    the rows are padded to a multiple of it below that)."""
+    tm, tk, tn = tiling or MEGABLOX_TILINGS.get((pass_name, k, n), MEGABLOX_DEFAULT_TILING)
+    tm = max(8, min(tm, 1 << max(3, (m - 1).bit_length())))
+    while m % tm and tm > 8:
+        tm //= 2
+    return tm, min(tk, k), min(tn, n)
 
 
 TPU_MIN_DIM = 128  # tokamax's Mosaic TPU kernel takes no dimension below this
@@ -212,6 +238,8 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     if pass_name not in PASSES:
         raise ValueError(f"pass_kernel: pass_name must be one of {PASSES}, got {pass_name!r}")
     dims = _RAGGED_CONTRACTING if pass_name == "drhs" else _RAGGED_ROWS
+    if impl == "megablox":  # config: a tiling (tm, tk, tn), default megablox_tiling's
+        return functools.partial(_megablox, pass_name, config)
     if impl == "cutlass":  # config: a tile config of collectives.grouped_gemm.CONFIGS
         def cutlass(a, b, group_sizes, out_dtype, zero_tail=True):
             return grouped_gemm.grouped_gemm(pass_name, a, b, group_sizes, zero_tail=zero_tail,
@@ -258,6 +286,35 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
             return out
         return _zero_past_groups(out, group_sizes)
     return tokamax
+
+
+def _megablox(pass_name, tiling, a, b, group_sizes, out_dtype, zero_tail=True):
+    """One pass on megablox: ``gmm`` for the forward and ``dlhs`` (``w`` read transposed in
+    place), ``tgmm`` for ``drhs`` (``x`` transposed: an XLA copy). Off TPU in Pallas's interpret
+    mode (slow: for tests). Rows past the groups: ``gmm`` leaves them unwritten (zeroed here
+    when ``zero_tail``), ``tgmm`` masks them with a select (any values there are safe)."""
+    # the module (the package's own `gmm` name is ops.gmm, a custom_vjp of the kernel)
+    megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+    m = a.shape[0]
+    k = a.shape[1]
+    n = b.shape[1] if pass_name in ("dlhs", "drhs") else b.shape[2]
+    tm, tk, tn = megablox_tiling(pass_name, m, k, n, tiling)
+    rows = -(-m // tm) * tm  # padded to whole row tiles (past the groups: never read)
+    pad = lambda v: v if rows == m else jnp.pad(v, ((0, rows - m), (0, 0)))  # noqa: E731
+    interpret = jax.default_backend() != "tpu"
+    # Pallas outputs declare no varying axes inside shard_map: traced unchecked, then typed
+    with vma_unchecked():
+        if pass_name == "drhs":
+            out = megablox.tgmm(pad(a).T, pad(b), group_sizes, out_dtype, tiling=(tm, tk, tn),
+                                interpret=interpret)
+        else:
+            out = megablox.gmm(pad(a), b, group_sizes, out_dtype, tiling=(tm, tk, tn),
+                               transpose_rhs=pass_name == "dlhs", interpret=interpret)[:m]
+    out = match_vma(match_vma(out, a), b)
+    if pass_name == "drhs" or not zero_tail:
+        return out
+    return _zero_past_groups(out, group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -335,7 +392,8 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
       group_sizes: ``(G,)`` integer; rows per group, ``sum(group_sizes) <= M`` (the rows past
         ``M`` of a larger sum are not computed, as in ``ragged_dot``).
       preferred_element_type: output dtype (default ``x.dtype``); kernels accumulate in float32.
-      implementation: ``"auto"``, ``"xla"``, ``"tokamax"`` or ``"cutlass"`` for every pass
+      implementation: ``"auto"``, ``"xla"``, ``"tokamax"``, ``"cutlass"`` or ``"megablox"`` for
+        every pass
         (module docstring), or a dict
         ``{"forward": ..., "dlhs": ..., "drhs": ...}`` choosing per pass (missing passes: auto).
       zero_past_groups: ``True`` (default): the output's rows past the groups are zero.

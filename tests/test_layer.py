@@ -103,6 +103,24 @@ def test_grouped_matmul_tokamax_equals_ragged_dot_with_gradients(rng, grouping):
     _check_against_ragged_dot(rng, GROUPINGS[grouping], "bfloat16", "tokamax", rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_matmul_megablox_equals_ragged_dot_with_gradients(rng, grouping, dtype):
+    """megablox (Pallas interpret mode off TPU) at 24 rows: tm 8 (24 is no multiple of 16),
+    groups that are empty, of one row, not whole tiles, and none at all."""
+    _check_against_ragged_dot(rng, GROUPINGS[grouping], dtype, "megablox",
+                              rtol=1e-6 if dtype == "float32" else 2 ** -7)
+
+
+def test_megablox_tiling_is_clipped_and_divides_the_rows():
+    from ep_comm.gemm import megablox_tiling
+    assert megablox_tiling("forward", 32768, 2048, 2048) == (512, 1024, 1024)  # MaxText's
+    assert megablox_tiling("forward", 24, 16, 8) == (8, 16, 8)
+    assert megablox_tiling("dlhs", 1000, 4096, 96, (512, 512, 512)) == (8, 512, 96)
+    assert megablox_tiling("drhs", 640, 7168, 4096, (512, 1024, 2048)) == (128, 1024, 2048)
+    assert megablox_tiling("drhs", 7, 64, 64) == (8, 64, 64)  # rows padded to one tile of 8
+
+
 def test_grouped_matmul_per_pass_choice(rng):
     sizes = GROUPINGS["rows past the groups"]
     _check_against_ragged_dot(rng, sizes, "float32", {"forward": "xla", "drhs": "auto"},
@@ -173,7 +191,7 @@ def test_grouped_matmul_rejects_bad_input():
             "got float32 (3,)")
     _raises(lambda: gmm(x, w, gs, implementation="cublas"),
             "grouped_matmul: implementation must be one of ('auto', 'xla', 'tokamax', "
-            "'cutlass'), got 'cublas'")
+            "'cutlass', 'megablox'), got 'cublas'")
     _raises(lambda: gmm(x, w, gs, implementation={"backward": "xla"}),
             "grouped_matmul: implementation dict keys must be among ('forward', 'dlhs', "
             "'drhs'), got ['backward']")
@@ -321,7 +339,7 @@ def test_grouped_matmul_cutlass_equals_ragged_dot_with_gradients(rng, grouping, 
 
 
 @pytest.mark.parametrize("impl", [pytest.param("tokamax", marks=TOKAMAX),
-                                  pytest.param("cutlass", marks=CUTLASS)])
+                                  pytest.param("cutlass", marks=CUTLASS), "megablox"])
 def test_grouped_matmul_kernels_inside_shard_map_with_gradients(sharded, n, rng, impl):
     """The GPU kernels inside shard_map, where check_vma types every value: values and both
     gradients against lax.ragged_dot in the same shard_map, each device its own groups.
