@@ -1,0 +1,264 @@
+"""The MoE layer on megablox on one TPU chip: a tiling sweep per GEMM pass, then the layer against
+the plain JAX layer MaxText runs (argsort + gather + megablox ``gmm`` at MaxText's default tiling
+(512, 1024, 1024) + SwiGLU + unpermute) and the dense einsums of the same FLOPs, in one run.
+
+    python scripts/tpu_megablox.py --hidden 2048 --intermediate 1024 --json out/megablox_H2048.json
+
+Per shape (T tokens, top-K of E experts on one rank, bf16):
+
+1. correctness on the chip: ``grouped_matmul(implementation="megablox")`` against
+   ``lax.ragged_dot`` (values and both gradients) on the layer's routed group sizes;
+2. the sweep: each pass of each of the layer's two GEMMs (forward, ``dlhs``, ``drhs``) at every
+   tiling of the candidates that fits the VMEM estimate, median of ``--iters`` after a warm-up;
+   the fastest per pass goes into ``ep_comm.gemm.MEGABLOX_TILINGS`` for step 3 and the JSON;
+3. the layer, forward and forward+backward: dense einsums (the ceiling), the plain layer on
+   megablox at MaxText's tiling and at the tuned one, ``moe_layer`` on megablox (tuned). Every
+   row: us, TFLOP/s (the layer's 6 T K H I FLOPs forward, 3x that forward+backward) and x dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import ep_comm
+from ep_comm import gemm
+
+MAXTEXT = (512, 1024, 1024)
+CANDIDATES = [(tm, tk, tn) for tm in (256, 512, 1024) for tk in (512, 1024, 2048)
+              for tn in (512, 1024, 2048)]
+VMEM_BYTES = 16 << 20  # v5e's default scoped VMEM
+
+
+def vmem(tiling, b=2):
+    """Double-buffered lhs, rhs and out tiles plus the float32 accumulator."""
+    tm, tk, tn = tiling
+    return 2 * b * (tm * tk + tk * tn + tm * tn) + 4 * tm * tn
+
+
+def timeit(fn, *args, iters):
+    jax.block_until_ready(fn(*args))  # compile, warm up
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def routed(rng, T, K, E):
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+    w = rng.dirichlet(np.ones(K), T).astype(np.float32)
+    return ids, w, np.bincount(ids.reshape(-1), minlength=E).astype(np.int32)
+
+
+def check(rng, sizes, H, N):
+    """megablox against ragged_dot on the chip: max relative errors of out, dx, dw."""
+    M = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((M, H)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(sizes), H, N)) / np.sqrt(H), jnp.bfloat16)
+    cot = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+
+    def run(f):
+        out, vjp = jax.vjp(lambda x, w: f(x, w), x, w)
+        return (out, *vjp(cot))
+    got = jax.jit(lambda: run(lambda x, w: ep_comm.grouped_matmul(
+        x, w, gs, implementation="megablox")))()
+    want = jax.jit(lambda: run(lambda x, w: jax.lax.ragged_dot(x, w, gs)))()
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    return {name: float(np.abs(f32(g) - f32(r)).max() / np.abs(f32(r)).max())
+            for name, g, r in zip(("out", "dx", "dw"), got, want)}
+
+
+def sweep(rng, sizes, M, K, N, iters, budget_s):
+    """Per pass of the GEMM (M, K) x (G, K, N): {tiling: seconds} and the best."""
+    G = len(sizes)
+    gs = jnp.asarray(sizes)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
+    operands = {"forward": (x, w), "dlhs": (dy, w), "drhs": (x, dy)}
+    dims = {"forward": (K, N), "dlhs": (N, K), "drhs": (K, N)}
+    out, t_end = {}, time.perf_counter() + budget_s
+    for p in gemm.PASSES:
+        a, b = operands[p]
+        k, n = dims[p]
+        results = {}
+        for tiling in [MAXTEXT] + [c for c in CANDIDATES if c != MAXTEXT]:
+            t = gemm.megablox_tiling(p, M, k, n, tiling)
+            if t in results or vmem(t) > VMEM_BYTES or (time.perf_counter() > t_end
+                                                        and tiling != MAXTEXT):
+                continue
+            kernel = jax.jit(functools.partial(gemm.pass_kernel(p, "megablox", t),
+                                               out_dtype=jnp.bfloat16))
+            try:
+                results[t] = timeit(kernel, a, b, gs, iters=iters)
+            except Exception as e:  # noqa: BLE001 (a tiling Mosaic rejects: VMEM)
+                results[t] = None
+                print(f"   {p} {t}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        ok = {t: s for t, s in results.items() if s is not None}
+        best = min(ok, key=ok.get)
+        out[p] = dict(k=k, n=n, best=list(best), best_us=1e6 * ok[best],
+                      maxtext_us=1e6 * ok[gemm.megablox_tiling(p, M, k, n, MAXTEXT)],
+                      tried={str(t): (None if s is None else 1e6 * s)
+                             for t, s in results.items()}, tflops=2 * M * K * N / ok[best] / 1e12)
+    return out
+
+
+def swiglu(u, I):
+    g = u[:, :I].astype(jnp.float32)
+    return (jax.nn.silu(g) * u[:, I:].astype(jnp.float32)).astype(u.dtype)
+
+
+def plain_layer(x, ids, w, w_in, w_out, gmm):
+    """MaxText's layer: argsort permute, two grouped GEMMs, SwiGLU, unpermute by the inverse
+    permutation and a weighted sum over the k slots."""
+    T, K = ids.shape
+    E, I = w_in.shape[0], w_out.shape[1]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat)
+    gs = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = x[order // K]
+    y = gmm(swiglu(gmm(xs, w_in, gs), I), w_out, gs)
+    y = y[jnp.argsort(order)].reshape(T, K, -1)
+    return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), w).astype(x.dtype)
+
+
+def megablox_gmm(tiling=None):
+    """megablox's own custom_vjp gmm (ops.gmm: gmm forward, gmm transposed and tgmm backward) at
+    one tiling for every pass, as MaxText calls it; ``None``: ep_comm's grouped_matmul (tuned)."""
+    if tiling is None:
+        return functools.partial(ep_comm.grouped_matmul, implementation="megablox")
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as ops_gmm
+
+    def gmm(x, w, gs):
+        m, k, n = x.shape[0], x.shape[1], w.shape[2]
+        t = (min(tiling[0], m), min(tiling[1], k), min(tiling[2], n))
+        return ops_gmm(x, w, gs, jnp.bfloat16, t, None, None, False,
+                       jax.default_backend() != "tpu")  # (interpret mode off TPU)
+    return gmm
+
+
+def dense(x, ids, w, w_in, w_out):
+    """The same FLOPs as one batched einsum per GEMM (every expert T K / E rows)."""
+    E, I = w_in.shape[0], w_out.shape[1]
+    T, K = ids.shape
+    xs = jnp.broadcast_to(x[None], (K, T, x.shape[1])).reshape(E, T * K // E, -1)
+    u = jnp.einsum("gmh,ghf->gmf", xs, w_in)
+    y = jnp.einsum("gmf,gfh->gmh", swiglu(u.reshape(-1, 2 * I), I).reshape(E, -1, I), w_out)
+    return y.reshape(K, T, -1).sum(0).astype(x.dtype)
+
+
+def layer_rows(rng, T, K, E, H, I, iters):
+    ids, w, _ = routed(rng, T, K, E)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    w_in = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.bfloat16)
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))  # noqa: E731
+    x, ids, w, w_in, w_out = map(put, (x, ids, w, w_in, w_out))
+    cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=1, num_experts=E, topk=K,
+                           tokens_per_rank=T)
+
+    @jax.shard_map(mesh=mesh, in_specs=P(), out_specs=P())
+    def ours(x, ids, w, w_in, w_out):
+        return ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
+                                 implementation="megablox")
+
+    impls = {
+        "dense einsums (same FLOPs)": dense,
+        "plain layer, megablox (512, 1024, 1024) (MaxText)": functools.partial(
+            plain_layer, gmm=megablox_gmm(MAXTEXT)),
+        "plain layer, megablox tuned": functools.partial(plain_layer, gmm=megablox_gmm()),
+        "moe_layer, megablox tuned": ours,
+    }
+    flops = 6 * T * K * H * I
+    rows = []
+    with jax.set_mesh(mesh):
+        want = np.asarray(jax.jit(functools.partial(plain_layer, gmm=lambda a, b, g:
+                                                    jax.lax.ragged_dot(a, b, g)))(
+            x, ids, w, w_in, w_out), np.float32)
+        for name, f in impls.items():
+            fwd = jax.jit(f)
+            grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
+                                    argnums=(0, 2, 3, 4)))
+            err = None
+            if "dense" not in name:
+                got = np.asarray(fwd(x, ids, w, w_in, w_out), np.float32)
+                err = float(np.abs(got - want).max() / np.abs(want).max())
+            t_f = timeit(fwd, x, ids, w, w_in, w_out, iters=iters)
+            t_b = timeit(grad, x, ids, w, w_in, w_out, iters=iters)
+            rows.append(dict(impl=name, fwd_us=1e6 * t_f, fwd_bwd_us=1e6 * t_b,
+                             fwd_tflops=flops / t_f / 1e12, fwd_bwd_tflops=3 * flops / t_b / 1e12,
+                             max_rel_err=err))
+            print(f"   {name}: fwd {1e6 * t_f:.0f} us, fwd+bwd {1e6 * t_b:.0f} us", flush=True)
+    d = rows[0]
+    ref = next(r for r in rows if "MaxText" in r["impl"])
+    for r in rows:
+        r["fwd_x_dense"] = r["fwd_us"] / d["fwd_us"]
+        r["fwd_bwd_x_dense"] = r["fwd_bwd_us"] / d["fwd_bwd_us"]
+        r["fwd_x_maxtext"] = r["fwd_us"] / ref["fwd_us"]
+        r["fwd_bwd_x_maxtext"] = r["fwd_bwd_us"] / ref["fwd_bwd_us"]
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sweep-iters", type=int, default=5)
+    ap.add_argument("--sweep-budget", type=float, default=150.0,
+                    help="seconds of sweeping per GEMM (MaxText's tiling is always measured)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    T, K, E, H, I = args.tokens, args.topk, args.experts, args.hidden, args.intermediate
+    rng = np.random.default_rng(0)
+    _, _, sizes = routed(rng, T, K, E)
+    M = T * K  # one rank: every pair, grouped by expert
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; T={T}, top-{K} of {E}, "
+          f"H={H}, I={I}, bf16; groups {sizes.min()}-{sizes.max()} rows", flush=True)
+    report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  shape=dict(T=T, K=K, E=E, H=H, I=I))
+    report["check"] = {"up": check(rng, sizes, H, 2 * I), "down": check(rng, sizes, I, H)}
+    print("check (max |megablox - ragged_dot| / max |ragged_dot|):", report["check"], flush=True)
+    report["sweep"] = {}
+    for name, (k, n) in (("up", (H, 2 * I)), ("down", (I, H))):
+        res = sweep(rng, sizes, M, k, n, args.sweep_iters, args.sweep_budget)
+        report["sweep"][name] = res
+        for p, r in res.items():
+            gemm.MEGABLOX_TILINGS[(p, r["k"], r["n"])] = tuple(r["best"])
+            print(f"{name:5s} {p:8s} best {tuple(r['best'])} {r['best_us']:8.0f} us "
+                  f"({r['tflops']:.0f} TFLOP/s); MaxText's {r['maxtext_us']:8.0f} us; "
+                  f"{len(r['tried'])} tried", flush=True)
+    report["tilings"] = {f"{p},{k},{n}": list(t) for (p, k, n), t in
+                         gemm.MEGABLOX_TILINGS.items()}
+    report["layer"] = layer_rows(rng, T, K, E, H, I, args.iters)
+    print(f"{'layer':52s} {'fwd us':>9s} {'x dense':>8s} {'x MaxText':>10s} {'fwd+bwd us':>11s} "
+          f"{'x dense':>8s} {'x MaxText':>10s} {'rel err':>8s}")
+    for r in report["layer"]:
+        print(f"{r['impl']:52s} {r['fwd_us']:9.0f} {r['fwd_x_dense']:8.2f} "
+              f"{r['fwd_x_maxtext']:10.2f} {r['fwd_bwd_us']:11.0f} {r['fwd_bwd_x_dense']:8.2f} "
+              f"{r['fwd_bwd_x_maxtext']:10.2f} "
+              f"{'' if r['max_rel_err'] is None else format(r['max_rel_err'], '.1e'):>8s}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
