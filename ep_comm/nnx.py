@@ -39,7 +39,7 @@ def param_initializer(shape: tuple, fan_in: int, dtype, sharding: NamedSharding)
     ``fold_in(key, e)`` (cut to its block where other dims are split), so its peak memory is its
     block plus a few of one matrix. A matrix is drawn by one program compiled with output
     ``sharding`` (each device draws its own block: JAX's partitionable threefry). Either way the
-    values do not depend on ``sharding``. Cached per arguments; ``.lower(key).compile()
+    values do not depend on ``sharding`` (up to float32 rounding of the normal's arithmetic). Cached per arguments; ``.lower(key).compile()
     .memory_analysis()`` shows the memory per device."""
     dtype, shape = jnp.dtype(dtype), tuple(int(d) for d in shape)
 

@@ -46,7 +46,9 @@ def test_portable_dispatch_gathers_only_counts_and_sends_T_rows_per_peer(mesh, n
         assert ops == []
         return
     gathers = [t for op, t in ops if op == "all_gather"]
-    assert gathers == [f"tensor<1x{2 * n}xi32>"]  # the n x n token/pair count matrix, nothing else
+    # the n x n token/pair count matrix and the id check's [count, token, k, value] (EPConfig.
+    # invalid_ids), nothing else
+    assert gathers == [f"tensor<1x{2 * n + 4}xi32>"]
     a2a = [t for op, t in ops if op == "all_to_all"]
     if n > 1:  # JAX lowers an all_to_all over one device to nothing
         assert f"tensor<{n}x{T}x{H}xbf16>" in a2a  # tokens: a slot of T rows per peer, bf16 wire
@@ -76,7 +78,7 @@ def test_hierarchical_dispatch_sends_T_rows_per_node_then_forwards_inside_the_no
                             topology=topology.simulated(N, G))
     ops = collectives_in(text)
     gathers = [t for op, t in ops if op == "all_gather"]
-    assert gathers == [f"tensor<1x{2 * n + N}xi32>"]  # counts per rank and per node
+    assert gathers == [f"tensor<1x{2 * n + N + 4}xi32>"]  # counts per rank, per node, id check
     a2a = [t for op, t in ops if op == "all_to_all"]
     # stage 1 (between nodes): one slot of T token rows per node; stage 2 (inside the node): one
     # slot per local rank of at most N * T rows (every token that reached this node)

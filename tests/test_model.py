@@ -56,9 +56,11 @@ def test_nnx_parameters_are_made_sharded(fsdp):
     assert nnx.get_partition_spec(nnx.state(m)).w_in.get_value() == P("ep", "data" if fsdp
                                                                        else None, None)
     # the values do not depend on the layout: the same seed without FSDP draws the same experts
+    # (up to float32 rounding: XLA may fuse the normal's arithmetic differently per layout)
     if fsdp:
         m0 = MoE(H, I, E, K, mesh=mesh, shared_intermediate=I, rngs=nnx.Rngs(0))
-        np.testing.assert_array_equal(np.asarray(m.w_in[...]), np.asarray(m0.w_in[...]))
+        np.testing.assert_allclose(np.asarray(m.w_in[...]), np.asarray(m0.w_in[...]),
+                                   rtol=1e-6, atol=1e-7)
 
     # the compiled init of an expert stack: its output is the device's share, and its
     # temporaries a few of one expert's matrices (drawn one at a time), never the whole stack
