@@ -7,7 +7,9 @@
 #   scripts/run.sh test-full  # the same phases with the exhaustive matrices (not in CI)
 #   scripts/run.sh bench   # the dispatch/combine benchmark on 8 virtual CPU devices
 #   scripts/run.sh docs    # the guide and the API reference (Sphinx) into docs/_build/html
-#   scripts/run.sh setup   # only the test set-up (.venv, OpenMPI), as `test` makes it
+#   scripts/run.sh setup   # only the test set-up (.venv, OpenMPI), as `test` makes it, forced
+# The set-up is skipped when the last one installed the extras asked for from the same build
+# inputs (install_key); EP_COMM_REINSTALL=1 forces it.
 # Environment: PYTHON (default python3), EP_COMM_VENV (default .venv), EP_COMM_TEST_SEED.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,12 +24,33 @@ need_mpi() {
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
 }
 
+# The install's inputs: the build configuration, the native sources, the toolkits found and the
+# venv's Python. A run whose inputs match the last install's, with the extras it installed, skips
+# the set-up (Python sources are live in the editable install; `scripts/run.sh setup` or
+# EP_COMM_REINSTALL=1 forces it).
+install_key() {
+  {
+    "$VENV/bin/python" -V
+    command -v nvcc mpicc || true
+    cat pyproject.toml CMakeLists.txt
+    find collectives/csrc -type f | LC_ALL=C sort | xargs cat
+  } 2>/dev/null | sha256sum | cut -c1-16
+}
+
 setup() {
+  local extras=$1 stamp="$VENV/.ep_comm_install" t0=$SECONDS
   if [ ! -x "$VENV/bin/python" ]; then
     echo "== creating $VENV"
     "$PY" -m venv "$VENV"
   fi
-  echo "== installing ep_comm[$1] into $VENV (with its native engine: MPI if found, CUDA/NCCL if nvcc)"
+  local key; key=$(install_key)
+  if [ "${EP_COMM_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && read -r had_key had_extras < "$stamp" \
+      && [ "$had_key" = "$key" ] && [ -z "$(comm -23 <(tr , '\n' <<<"$extras" | sort -u) \
+                                               <(tr , '\n' <<<"$had_extras" | sort -u))" ]; then
+    echo "== ep_comm[$had_extras] is installed in $VENV and its inputs are unchanged: set-up skipped"
+    return
+  fi
+  echo "== installing ep_comm[$extras] into $VENV (with its native engine: MPI if found, CUDA/NCCL if nvcc)"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   # The native build reads the XLA FFI headers from the installed jax and NCCL's headers from the
   # nvidia-nccl wheel, so it builds inside the venv (no isolated build env to download jax into).
@@ -38,8 +61,26 @@ setup() {
     build_deps+=("nvidia-nccl-cu${cu:-13}")
   fi
   "$VENV/bin/python" -m pip install -q "${build_deps[@]}"
-  "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[$1]"
+  # A persistent build directory (build/, ignored): CMake rebuilds only what changed. The build's
+  # steps show as they run, with the time so far.
+  local log="$VENV/.ep_comm_install.log"
+  "$VENV/bin/python" -m pip install -v --no-build-isolation \
+    --config-settings=build-dir=build/{wheel_tag} -e ".[$extras]" > "$log" 2>&1 &
+  local pid=$!
+  tail -n +1 -f --pid="$pid" "$log" | while IFS= read -r line; do
+    case "$line" in
+      *"] Building "*|*"] Linking "*|*"CMake Error"*|*" error: "*)
+        printf '   %4d s  %s\n' $((SECONDS - t0)) "${line##*] }" ;;
+    esac
+  done
+  if ! wait "$pid"; then
+    echo "FAILED: pip install -e .[$extras] (the last lines of $log):"
+    tail -30 "$log"
+    return 1
+  fi
   "$VENV/bin/python" -c "import collectives; print('   transports:', collectives.available())"
+  echo "$key $extras" > "$stamp"
+  echo "== set-up took $((SECONDS - t0)) s"
 }
 
 # The docs site: warnings are errors (a broken cross-reference or anchor, a public name without a
@@ -66,7 +107,7 @@ case "$what" in
     ;;
   setup)
     need_mpi
-    setup test,examples,docs
+    EP_COMM_REINSTALL=1 setup test,examples,docs
     ;;
   test|test-full)
     need_mpi

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
+from collectives.timing import median_us
 from ep_comm import gemm
 
 MAXTEXT = (512, 1024, 1024)
@@ -45,14 +46,8 @@ def vmem(tiling, b=2):
 
 
 def timeit(fn, *args, iters):
-    jax.block_until_ready(fn(*args))  # compile, warm up
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    """Seconds: the median of ``iters`` runs after two (the first compiles)."""
+    return median_us(fn, args, warmup=2, iters=iters) * 1e-6
 
 
 def routed(rng, T, K, E):

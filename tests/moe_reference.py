@@ -124,6 +124,34 @@ def dense_swiglu_moe(x, ids, w, w_in, w_out, shared_w_in=None, shared_w_out=None
     return y
 
 
+def check_nnx_against_dense(module, x, cot, y, grads, topk):
+    """The NNX MoE ``module``'s output ``y`` on ``x`` and its parameter gradients ``grads`` (of
+    ``sum(y * cot)``) against the same parameters run densely in float64 on one device."""
+    import jax
+    import jax.numpy as jnp
+    from ep_comm.nnx import route
+
+    H = x.shape[-1]
+    names = ("router", "w_in", "w_out", "shared_w_in", "shared_w_out")
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(np.asarray(a), jnp.float64)  # noqa: E731
+        params = {k: f64(getattr(module, k)[...]) for k in names}
+
+        def loss(p):
+            t = f64(x).reshape(-1, H)
+            ids, w = route(t, p["router"], topk)
+            out = dense_swiglu_moe(t, ids, w, p["w_in"], p["w_out"], p["shared_w_in"],
+                                   p["shared_w_out"])
+            return jnp.sum(out * f64(cot).reshape(-1, H)), out
+        want_grads, want = jax.grad(loss, has_aux=True)(params)
+    assert y.shape == x.shape
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, H), want, rtol=2e-5, atol=2e-5)
+    for k in names:
+        r = np.asarray(want_grads[k])
+        np.testing.assert_allclose(np.asarray(getattr(grads, k)[...]), r, rtol=2e-5,
+                                   atol=2e-5 * (1 + np.abs(r).max()), err_msg=k)
+
+
 def hits_mean_sd(E, K, sizes):
     """Mean and standard deviation of how many of the disjoint expert sets of the given ``sizes``
     a token hits when it picks ``K`` distinct experts of ``E`` uniformly (the ``random`` routing):

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-from moe_reference import Reference, dense_swiglu_moe
+from moe_reference import Reference, check_nnx_against_dense, dense_swiglu_moe
 from test_dispatch_combine import config as dispatch_config, inputs as dispatch_inputs, T as DT
 
 T, H, I, K = 8, 16, 8, 2  # tokens per device, hidden, expert width, top-k
@@ -138,7 +138,7 @@ def test_data_x_expert_parallel_layer_equals_dense_with_gradients(rng):
 @pytest.mark.parametrize("axis_type,fsdp", [("Explicit", True), ("Auto", False)])
 def test_nnx_data_x_expert_parallel_equals_dense_with_gradients(rng, axis_type, fsdp):
     nnx = pytest.importorskip("flax.nnx", reason="the NNX module needs flax")
-    from ep_comm.nnx import MoE, route
+    from ep_comm.nnx import MoE
 
     if jax.process_count() > 1:
         pytest.skip("the dense reference reads every parameter on this process")
@@ -156,23 +156,7 @@ def test_nnx_data_x_expert_parallel_equals_dense_with_gradients(rng, axis_type, 
         return m(x), nnx.grad(lambda m: jnp.sum(m(x) * cot))(m)
 
     y, g = value_and_grads(m, xs)
-    names = ("router", "w_in", "w_out", "shared_w_in", "shared_w_out")
-    with jax.enable_x64(True):
-        f64 = lambda a: jnp.asarray(np.asarray(a), jnp.float64)  # noqa: E731
-        params = {k: f64(getattr(m, k)[...]) for k in names}
-
-        def loss(p):
-            t = f64(x).reshape(-1, H)
-            ids, w = route(t, p["router"], K)
-            out = dense_swiglu_moe(t, ids, w, p["w_in"], p["w_out"], p["shared_w_in"],
-                                   p["shared_w_out"])
-            return jnp.sum(out * f64(cot).reshape(-1, H)), out
-        grads, want = jax.grad(loss, has_aux=True)(params)
-    np.testing.assert_allclose(np.asarray(y).reshape(-1, H), want, rtol=2e-5, atol=2e-5)
-    for k in names:
-        r = np.asarray(grads[k])
-        np.testing.assert_allclose(np.asarray(getattr(g, k)[...]), r, rtol=2e-5,
-                                   atol=2e-5 * (1 + np.abs(r).max()), err_msg=k)
+    check_nnx_against_dense(m, x, cot, y, g, K)
 
 
 def test_nnx_rejects_bad_data_axes():
