@@ -86,3 +86,18 @@ def test_named_api_exists(page):
     pytest.importorskip("sphinx", reason="the check lives in the docs' Sphinx extension")
     stale = _load("docs/_ext/doccheck.py").stale_names(page.read_text())
     assert not stale, f"{page.relative_to(ROOT)} names what does not exist: {stale}"
+
+
+def test_layout_names_every_module():
+    """docs/layout.md names every module of the three packages (`name.py` in its package's
+    bullet), so the map of the code cannot leave one out."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    bullets = {pkg: re.search(rf"^- `{pkg}/`:(.*?)(?=^- |\Z)", text, re.M | re.S)
+               for pkg in ("ep_comm", "collectives", "topology")}
+    missing = []
+    for pkg, bullet in bullets.items():
+        assert bullet, f"docs/layout.md has no bullet for {pkg}/"
+        for path in sorted((ROOT / pkg).glob("*.py")):
+            if path.name != "__init__.py" and f"`{path.name}`" not in bullet.group(1):
+                missing.append(f"{pkg}/{path.name}")
+    assert not missing, f"docs/layout.md does not name {missing}"
