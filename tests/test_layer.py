@@ -845,7 +845,7 @@ def test_nnx_module_equals_dense_float64_with_gradients(n, rng, axis_type):
     from ep_comm.nnx import MoE
 
     if jax.process_count() > 1:
-        pytest.skip("the module's parameters are made on each process's own device")
+        pytest.skip("the dense reference reads every parameter on this process")
     mesh = jax.make_mesh((n,), ("ep",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
     m = MoE(H, I, 4 * n, K, mesh=mesh, shared_intermediate=I_SHARED,
             rngs=nnx.Rngs(int(rng.integers(2**31))))
