@@ -39,8 +39,9 @@ def param_initializer(shape: tuple, fan_in: int, dtype, sharding: NamedSharding)
     ``fold_in(key, e)`` (cut to its block where other dims are split), so its peak memory is its
     block plus a few of one matrix. A matrix is drawn by one program compiled with output
     ``sharding`` (each device draws its own block: JAX's partitionable threefry). Either way the
-    values do not depend on ``sharding`` (up to float32 rounding of the normal's arithmetic). Cached per arguments; ``.lower(key).compile()
-    .memory_analysis()`` shows the memory per device."""
+    values do not depend on ``sharding`` (up to float32 rounding of the normal's arithmetic).
+    Cached per arguments; ``.lower(key).compile().memory_analysis()`` shows the memory per
+    device."""
     dtype, shape = jnp.dtype(dtype), tuple(int(d) for d in shape)
 
     def draw(key, shape):
@@ -69,14 +70,19 @@ def param_initializer(shape: tuple, fan_in: int, dtype, sharding: NamedSharding)
                                  out_specs=P(*spec)), out_shardings=sharding)
 
 
+def _axes_size(mesh: Mesh, axes) -> int:
+    """Devices of ``mesh`` along the axes ``axes`` together."""
+    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
 class MoE(nnx.Module):
     """A DeepSeek/Mixtral-style MoE FFN block for Flax NNX models.
 
     ``y = sum_k w_k * SwiGLU_{e_k}(x) (+ SwiGLU_shared(x))`` with a softmax top-k router and the
     exchange done by ep_comm (dropless by default).
 
-    Layout over ``mesh`` (every parameter is created in it, :func:`param_initializer`: no device holds
-    more than its share at any time):
+    Layout over ``mesh`` (every parameter is created in it, :func:`param_initializer`: no device
+    holds more than its share at any time):
 
     - the routed experts' weights ``w_in`` ``(E, H, 2I)`` and ``w_out`` ``(E, I, H)`` are split
       over ``axis_name`` by expert (``E / n`` experts per device), replicated over the other axes,
@@ -142,7 +148,7 @@ class MoE(nnx.Module):
                              f"{tuple(mesh.axis_names)}), got {data_axes!r}")
         if not isinstance(fsdp, bool):
             raise TypeError(f"{api}: fsdp must be a bool, got {type(fsdp).__name__}")
-        data = int(np.prod([mesh.shape[a] for a in data_axes], dtype=np.int64))
+        data = _axes_size(mesh, data_axes)
         if shared_intermediate is not None:
             positive_int(api, "shared_intermediate", shared_intermediate)
         if fsdp:
@@ -190,7 +196,7 @@ class MoE(nnx.Module):
     def ep_config(self, num_tokens: int) -> EPConfig:
         """The :class:`EPConfig` a call on ``num_tokens`` tokens (all devices together) uses."""
         n = self.mesh.shape[self.axis_name]
-        split = int(np.prod([self.mesh.shape[a] for a in self.token_axes], dtype=np.int64))
+        split = _axes_size(self.mesh, self.token_axes)
         if num_tokens % split:
             raise ValueError(f"ep_comm.nnx.MoE: the {num_tokens} tokens of x must be divisible "
                              f"by the {split} devices of mesh axes {self.token_axes}")

@@ -130,7 +130,7 @@ def report(config: EPConfig, rows, message, mode: str) -> jax.Array:
 _lock = threading.Lock()
 _warned: set[int] = set()  # sites that have warned
 _catching = 0  # checked() calls running
-_pending: dict[str, int] = {}  # errors recorded for checked(): message -> reports
+_pending: dict[str, None] = {}  # errors recorded for checked(), in order, each once
 
 
 def _host_report(site, config, message, mode, rows):
@@ -149,7 +149,7 @@ def _host_report(site, config, message, mode, rows):
     error = _error([text])
     with _lock:
         if _catching:
-            _pending[str(error)] = _pending.get(str(error), 0) + 1
+            _pending.setdefault(str(error))  # (every device of the step reports it)
             return np.zeros((), np.int32)
     raise error
 

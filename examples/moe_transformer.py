@@ -85,10 +85,15 @@ def init_params(cfg: ModelConfig, key):
     return params
 
 
+def is_expert(path) -> bool:
+    """Whether the parameter at ``path`` (a pytree key path) is a routed expert's weight."""
+    return path[-1].key in ("w_in", "w_out")
+
+
 def param_specs(params):
     """Experts sharded over "ep" (their leading axis), everything else replicated (over "data"
-    too: JAX sums their gradients over the axes they are replicated on)."""
-    spec = lambda path, _: P("ep") if path[-1].key in ("w_in", "w_out") else P()
+    too; the train step sums each gradient over the axes its weight is replicated on)."""
+    spec = lambda path, _: P("ep") if is_expert(path) else P()  # noqa: E731
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
@@ -210,9 +215,8 @@ class Trainer:
             is replicated there (all but the experts) -- so every device runs them in the same
             order (XLA:CPU may start independent all-reduces over different device groups in a
             different order on different devices, which can leave them waiting for each other)."""
-            expert = lambda path: path[-1].key in ("w_in", "w_out")  # noqa: E731
             params = jax.tree_util.tree_map_with_path(  # (experts already vary over "ep")
-                lambda path, a: jax.lax.pcast(a, ("data",) if expert(path) else ("data", "ep"),
+                lambda path, a: jax.lax.pcast(a, ("data",) if is_expert(path) else ("data", "ep"),
                                               to="varying"), params)
 
             def loss_fn(p):
@@ -221,7 +225,7 @@ class Trainer:
             loss, grads = jax.value_and_grad(loss_fn)(params)
             loss, grads = jax.lax.psum((loss, grads), "data")
             loss, grads = jax.lax.psum(loss, "ep"), jax.tree_util.tree_map_with_path(
-                lambda path, g: g if expert(path) else jax.lax.psum(g, "ep"), grads)
+                lambda path, g: g if is_expert(path) else jax.lax.psum(g, "ep"), grads)
             return loss, grads
 
         grads_fn = jax.shard_map(local_loss_and_grads, mesh=self.mesh,

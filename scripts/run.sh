@@ -44,10 +44,12 @@ setup() {
     "$PY" -m venv "$VENV"
   fi
   local key; key=$(install_key)
-  if [ "${EP_COMM_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && read -r had_key had_extras < "$stamp" \
-      && [ "$had_key" = "$key" ] && [ -z "$(comm -23 <(tr , '\n' <<<"$extras" | sort -u) \
-                                               <(tr , '\n' <<<"$had_extras" | sort -u))" ]; then
-    echo "== ep_comm[$had_extras] is installed in $VENV and its inputs are unchanged: set-up skipped"
+  local had_key="" had_extras="" missing
+  if [ -f "$stamp" ]; then read -r had_key had_extras < "$stamp" || true; fi
+  # the extras asked for that the last install did not hold
+  missing=$(comm -23 <(tr , '\n' <<<"$extras" | sort -u) <(tr , '\n' <<<"$had_extras" | sort -u))
+  if [ "${EP_COMM_REINSTALL:-0}" != 1 ] && [ "$had_key" = "$key" ] && [ -z "$missing" ]; then
+    echo "== ep_comm[$had_extras] is installed in $VENV, its inputs unchanged: set-up skipped"
     return
   fi
   echo "== installing ep_comm[$extras] into $VENV (with its native engine: MPI if found, CUDA/NCCL if nvcc)"
