@@ -2,11 +2,11 @@
 
 Transports (each a function with ``lax.ragged_all_to_all``'s signature):
 
-- ``"portable"``: fixed-size ``lax.all_to_all`` of per-segment slots (:mod:`collectives.portable`);
+- ``"portable"``: fixed-size ``lax.all_to_all`` of per-segment slots (:mod:`ep_comm.collectives.portable`);
   runs on every platform, CPU included; pads every segment to a static slot.
-- ``"xla"``: XLA's native ``ragged-all-to-all`` (:mod:`collectives.xla`); GPU and TPU only; moves
+- ``"xla"``: XLA's native ``ragged-all-to-all`` (:mod:`ep_comm.collectives.xla`); GPU and TPU only; moves
   exactly the rows requested.
-- ``"nccl"``: the compiled engine on GPUs (:mod:`collectives.native`): NCCL point-to-point of exactly
+- ``"nccl"``: the compiled engine on GPUs (:mod:`ep_comm.collectives.native`): NCCL point-to-point of exactly
   the requested bytes on its own CUDA stream, as an async start/done pair of XLA custom calls.
 - ``"mpi"``: the same engine on CPUs, over the MPI library mpi4py loads (one device per process,
   under ``mpirun``); it exercises the engine's protocol and error paths without a GPU.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from collectives import bootstrap, native, portable, xla
-from collectives.bootstrap import finalize  # noqa: F401  (public: collectives.finalize)
+from ep_comm.collectives import bootstrap, native, portable, xla
+from ep_comm.collectives.bootstrap import finalize  # noqa: F401  (public: collectives.finalize)
 
 __all__ = ["BACKENDS", "auto_choice", "available", "finalize", "resolve"]
 

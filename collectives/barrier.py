@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from topology.jax_compat import axis_size, distributed_client
-from topology.processes import timeout_s
+from ep_comm.topology.jax_compat import axis_size, distributed_client
+from ep_comm.topology.processes import timeout_s
 
 _BARRIER_ID = "ep_comm/barrier"  # the one barrier every guarded call uses
 

@@ -1,4 +1,4 @@
-"""Benchmark of the ragged exchange itself, nccl-tests style: ``python -m collectives.bench``.
+"""Benchmark of the ragged exchange itself, nccl-tests style: ``python -m ep_comm.collectives.bench``.
 
 Every rank holds ``--rows`` rows of ``--hidden`` elements and sends ``rows / n`` to every rank
 (itself included) with ``ragged_all_to_all``. Side by side in one run, for every transport that runs
@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import collectives
-from collectives import bootstrap, native
-from collectives.timing import emit, hardware, median_us, trace_kernels
-from topology.processes import global_array, initialize, to_host
+from ep_comm import collectives
+from ep_comm.collectives import bootstrap, native
+from ep_comm.collectives.timing import emit, hardware, median_us, trace_kernels
+from ep_comm.topology.processes import global_array, initialize, to_host
 
 AXIS = "ep"
 
@@ -254,13 +254,12 @@ def main(argv=None):
 
 
 def calibration(reports, impl: str | None = None) -> dict:
-    """Fit one link class of :class:`topology.CostModel` to the exchange timed at several sizes.
+    """Fit one link class of :class:`ep_comm.topology.CostModel` to the exchange timed at several sizes.
 
     The class is ``self`` on one rank, else the link inside the node when every rank is on one
-    node (``topology.current()``); a run that spans nodes mixes classes and is refused. ``impl``:
+    node (``ep_comm.topology.current()``); a run that spans nodes mixes classes and is refused. ``impl``:
     which row of the reports (default: the first ``ep_comm/`` transport)."""
-    import topology
-
+    from ep_comm import topology
     n = reports[0]["ranks"]
     if n == 1:
         link = "self"

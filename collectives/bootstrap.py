@@ -2,7 +2,7 @@
 
 The compiled libraries (built from ``collectives/csrc`` by the package build) are optional:
 ``load("mpi")`` / ``load("nccl")`` return the module or the reason it is not usable, and
-:func:`collectives.available` reports those reasons.
+:func:`ep_comm.collectives.available` reports those reasons.
 
 Communicators are created when a program that uses a native transport is *lowered* (every process
 lowers the same program, so creation is collective), once per set of device groups, and reused by
@@ -31,8 +31,8 @@ from typing import Sequence
 
 import jax
 
-from topology.jax_compat import command_buffer_traits
-from topology.processes import process_allgather
+from ep_comm.topology.jax_compat import command_buffer_traits
+from ep_comm.topology.processes import process_allgather
 
 PROTOCOL = 1  # keep in step with kMagic in csrc/exchange_plan.h ("epc1")
 
@@ -74,7 +74,7 @@ def load(name: str):
         try:
             if name == "nccl":
                 _preload_nccl()
-            mod = importlib.import_module(f"collectives._ep_{name}")
+            mod = importlib.import_module(f"{__package__}._ep_{name}")
             reason = _check(name, mod)
         except ImportError as e:
             what = {"rows": "row kernels are", "gemm": "grouped GEMM (CUTLASS, sm_90a) is"}.get(

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from collectives import bootstrap
+from ep_comm.collectives import bootstrap
 
 PASSES = ("forward", "dlhs", "drhs")
 # The tile configs compiled in (collectives/csrc/grouped_gemm_impl.cuh): 0 cooperative (two

@@ -41,8 +41,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from collectives import bootstrap
-from topology.jax_compat import axis_size, module_state, named_axis_effects
+from ep_comm.collectives import bootstrap
+from ep_comm.topology.jax_compat import axis_size, module_state, named_axis_effects
 
 TRANSPORTS = ("mpi", "nccl")
 _PLATFORM = {"mpi": "cpu", "nccl": "cuda"}
@@ -72,7 +72,7 @@ def exchange(transport: str, operand, output, input_offsets, send_sizes, output_
 
 
 def transport_fn(transport: str):
-    """A transport with the signature of :mod:`collectives.portable`'s."""
+    """A transport with the signature of :mod:`ep_comm.collectives.portable`'s."""
     def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                           *, axis_name, axis_index_groups=None, max_segment_rows=None,
                           label="ragged_all_to_all", tag=0):
@@ -245,7 +245,7 @@ def _mpi_chain_previous(module_context):
     """The result of the last mpi exchange lowered into the current block of this module (and its
     aval), or an empty constant when there is none: the next exchange takes it as an operand, so
     XLA runs the block's exchanges in program order in every process. The chain is state of the
-    module being lowered (:func:`topology.jax_compat.module_state`)."""
+    module being lowered (:func:`ep_comm.topology.jax_compat.module_state`)."""
     last = module_state(module_context).get("mpi chain")
     if last is not None:
         value, aval = last

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from collectives import barrier
+from ep_comm.collectives import barrier
 
 
 def slot_rows(operand_rows: int, output_rows: int, max_segment_rows: int | None = None) -> int:
@@ -57,7 +57,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     dispatch: a rank sends each token at most once to a peer, so at most ``T`` rows); it shrinks
     the slots and so the padding. Rows of a segment past the bound are not sent. ``label`` names
     the operation at the barrier in front of the exchange between CPU processes
-    (:mod:`collectives.barrier`); ``tag`` (native-engine diagnostics) is accepted for a uniform
+    (:mod:`ep_comm.collectives.barrier`); ``tag`` (native-engine diagnostics) is accepted for a uniform
     signature and unused.
     """
     del tag

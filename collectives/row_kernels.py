@@ -54,8 +54,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from collectives import bootstrap
-from topology.jax_compat import match_vma
+from ep_comm.collectives import bootstrap
+from ep_comm.topology.jax_compat import match_vma
 
 LOWERINGS = ("cuda", "xla", "reference")
 _forced: list[str] = []  # the lowering the innermost xla_only() / reference_only() block asks for

@@ -5,8 +5,8 @@ with warnings as errors."""
 import os
 import sys
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, ROOT)
+# ep_comm is imported as installed (scripts/run.sh docs installs it): its subpackages
+# ep_comm.collectives and ep_comm.topology exist only in the installed layout.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
 
 project = "ep_comm"

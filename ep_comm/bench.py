@@ -17,7 +17,7 @@ Compares, side by side in one run and on the same routing:
   (:func:`ep_comm.baselines.ep_permute` / ``ep_unpermute``: per-peer slots of ``T`` rows through
   ``lax.all_to_all``, an argsort by local expert, ``expert_rows`` rows out as ep_comm's config
   gives them), timed per phase; the table ends with ep_comm's phases over it too, also timed in
-  turn with it (:func:`collectives.timing.interleaved_us`: drift over the run, large on a
+  turn with it (:func:`ep_comm.collectives.timing.interleaved_us`: drift over the run, large on a
   2-core machine running 8 devices, lands on both alike).
 
 For each: ``time`` = median over ``--iters`` calls after ``--warmup``, each waited for; ``pipe`` =
@@ -46,7 +46,7 @@ scales for an FP8 grouped GEMM, no dequantize).
 
 Plans: ``--topology 2x4 --plans flat,hierarchical`` runs both exchange plans on a (simulated)
 machine; ``net`` is the busiest rank's network bytes as dispatch counted them
-(``EPHandle.link_rows``) and ``model`` what :class:`topology.CostModel` predicts for the same
+(``EPHandle.link_rows``) and ``model`` what :class:`ep_comm.topology.CostModel` predicts for the same
 routing, so the byte saving and the model sit next to the measured times. On one host the
 "network" is simulated: the times show the cost of the extra stage, not the saving.
 """
@@ -65,11 +65,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import collectives
+from ep_comm import collectives
 import ep_comm
-import topology
-from collectives import portable
-from collectives.timing import (emit, hardware, interleaved_us, median_us, pipelined_us,
+from ep_comm import topology
+from ep_comm.collectives import portable
+from ep_comm.collectives.timing import (emit, hardware, interleaved_us, median_us, pipelined_us,
                                trace_kernels)
 from ep_comm import baselines
 
@@ -185,11 +185,11 @@ def in_program(cfg, mesh, calls: int):
 
 
 def _copy_ceiling_us(nbytes: int, warmup: int, iters: int) -> float | None:
-    """Pipelined time (:func:`collectives.timing.pipelined_us`) of one device copy of ``nbytes``
+    """Pipelined time (:func:`ep_comm.collectives.timing.pipelined_us`) of one device copy of ``nbytes``
     bytes read and written in all (GPU with the engine built), else None."""
     if jax.default_backend() != "gpu" or collectives.available().get("nccl") is not None:
         return None
-    from collectives.bench import device_copy
+    from ep_comm.collectives.bench import device_copy
     half = max(1, nbytes // 2 // 16)
     dev = jax.devices()[0]
     src = jax.device_put(jnp.ones((half, 16), jnp.uint8), dev)

@@ -9,10 +9,10 @@ import zlib
 
 import numpy as np
 
-import collectives
+from ep_comm import collectives
 from ep_comm.placement import ExpertPlacement
-from topology import PLANS, WIRE_FORMATS, CostModel, Topology, row_bytes
-from topology.checks import dtype_arg, positive_int
+from ep_comm.topology import PLANS, WIRE_FORMATS, CostModel, Topology, row_bytes
+from ep_comm.topology.checks import dtype_arg, positive_int
 
 OVERFLOW_MODES = ("count", "raise")
 INVALID_IDS_MODES = ("warn", "raise", "ignore")
@@ -39,7 +39,7 @@ class EPConfig:
         ``overflow="raise"``). :func:`ep_comm.moe_layer` drops nothing at any capacity: it runs
         in rounds of at most ``recv_capacity`` pairs per rank (:mod:`ep_comm.rounds`).
       backend: transport for the exchanges: ``"auto"``, ``"portable"``, ``"xla"``, ``"nccl"`` or
-        ``"mpi"`` (see :func:`ep_comm.ragged_all_to_all` and :mod:`collectives`).
+        ``"mpi"`` (see :func:`ep_comm.ragged_all_to_all` and :mod:`ep_comm.collectives`).
       overflow: ``"count"`` (default: pairs a user-set ``recv_capacity`` drops are counted in the
         handle; call :func:`ep_comm.check` on it) or ``"raise"`` (dispatch raises
         ``EPOverflowError`` at run time when any pair is dropped: catch it around a step wrapped
@@ -59,13 +59,13 @@ class EPConfig:
         axis: a token crosses the network once per destination *rank*), ``"hierarchical"`` (stage
         1 over the network once per destination *node* to the same-local-index rank there, stage
         2 inside the node; combine reduces inside the node first) or ``"auto"`` (default: the
-        plan the cost model predicts faster for balanced routing on ``topology``; ``"flat"`` on a
+        plan the cost model predicts faster for balanced routing on ``ep_comm.topology``; ``"flat"`` on a
         single node).
-      topology: the :class:`topology.Topology` the axis runs on (``num_ranks`` ranks, node-major).
+      topology: the :class:`ep_comm.topology.Topology` the axis runs on (``num_ranks`` ranks, node-major).
         Default ``None``: with ``axis_name=(node_axis, local_axis)`` the two mesh axes are the
-        nodes and the devices of a node; otherwise ``topology.current()`` (``EP_COMM_TOPOLOGY``
+        nodes and the devices of a node; otherwise ``ep_comm.topology.current()`` (``EP_COMM_TOPOLOGY``
         or discovery) when the plan needs one.
-      cost_model: the :class:`topology.CostModel` that ``plan="auto"`` consults (default: the
+      cost_model: the :class:`ep_comm.topology.CostModel` that ``plan="auto"`` consults (default: the
         H200-class defaults).
       wire_format: how dispatch sends token rows (:mod:`ep_comm.wire`): ``None`` (default: in
         ``x``'s dtype), ``"e4m3"`` (FP8 with one float32 scale per 128 elements: 0.52x of bf16's

@@ -1,6 +1,6 @@
 """Multi-process set-up and helpers for global arrays.
 
-Everything here is :mod:`topology.processes`' (the bottom of the stack, where topology discovery,
+Everything here is :mod:`ep_comm.topology.processes`' (the bottom of the stack, where topology discovery,
 the engine's bootstrap and its benchmark use it too), re-exported for users.
 
 ``initialize()`` turns an ``mpirun`` (OpenMPI or MPICH/Hydra) launch into a ``jax.distributed``
@@ -14,6 +14,6 @@ nothing (it returns without doing anything), so the same script runs both ways::
 
 from __future__ import annotations
 
-from topology.processes import LaunchInfo, global_array, initialize, launch_info, to_host
+from ep_comm.topology.processes import LaunchInfo, global_array, initialize, launch_info, to_host
 
 __all__ = ["LaunchInfo", "global_array", "initialize", "launch_info", "to_host"]

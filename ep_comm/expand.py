@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from collectives import row_kernels
+from ep_comm.collectives import row_kernels
 from ep_comm import wire
 from ep_comm.config import EPConfig
 from ep_comm.layout import repeats_earlier
@@ -58,7 +58,7 @@ def expand(cfg: EPConfig, route: Route, num_recv, me, dequantize_to=None,
     rows (one rank, no wire) and ``expert_x`` what the FP8 wire would deliver (its values, or
     with ``split_at`` its bytes), quantized on the way in one pass. Pairs past
     ``cfg.expert_rows`` are dropped (counted by dispatch). ``layout``: the buffer's
-    :class:`~collectives.row_kernels.ExpertLayout` when the caller has it already (one rank:
+    :class:`~ep_comm.collectives.row_kernels.ExpertLayout` when the caller has it already (one rank:
     ``row_kernels.local_layout``). ``materialize=False``: ``expert_x`` is not written (None; an
     unquantized buffer only), the caller gathers ``rows`` by ``sources``."""
     R, C, L = cfg.recv_token_rows, cfg.expert_rows, cfg.experts_per_rank

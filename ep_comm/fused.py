@@ -16,9 +16,9 @@ then writes ``u`` and applies SwiGLU in XLA, which ``layer_bench``'s ``cutlass-k
 measures against the default); the down projection's ``dlhs`` applies the
 router weight and SwiGLU's derivative in its epilogue and yields the router weights' gradient as
 ``<dy . w_out^T, h>`` (the pairs' unweighted outputs are neither kept nor recomputed,
-:func:`collectives.grouped_gemm.dswiglu_dlhs`); then it runs the grouped ``dlhs``/``drhs``
+:func:`ep_comm.collectives.grouped_gemm.dswiglu_dlhs`); then it runs the grouped ``dlhs``/``drhs``
 passes (no transposes; ``w_in``'s gradient reads the pairs' rows by the same gather,
-:func:`collectives.grouped_gemm.gathered_drhs`) and the gather's transpose as a sum over each
+:func:`ep_comm.collectives.grouped_gemm.gathered_drhs`) and the gather's transpose as a sum over each
 received row's pairs in ``k`` order (deterministic, no atomics). ``kernel="reference"`` runs
 the same path with the plain-JAX reference of the fused kernel and ``lax.ragged_dot`` passes:
 how the CPU tests check it against the unfused layer.
@@ -32,14 +32,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from collectives import grouped_gemm
+from ep_comm.collectives import grouped_gemm
 from ep_comm.config import EPConfig
 from ep_comm.expand import expert_rows_read
 from ep_comm.gemm import pass_implementations, pass_kernel, resolve
 from ep_comm.moe import combine, dispatch_steps
 from ep_comm.routes import drive
 from ep_comm.rows import gather_sum
-from topology.jax_compat import cotangent_like, match_vma
+from ep_comm.topology.jax_compat import cotangent_like, match_vma
 
 KERNELS = ("cutlass", "reference")
 # moe_layer's implementation for this path: a choice of its own, not "auto"'s, because on an

@@ -18,7 +18,7 @@ a GEMM whose contracting dimension is ragged). Implementations:
   not write rows past the groups; ``grouped_matmul`` zeroes them (a select that XLA fuses into the
   next elementwise op), so results never depend on which kernel ran and no uninitialised row
   reaches a later ``drhs``.
-- ``"cutlass"``: ep_comm's own grouped GEMM on Hopper (:mod:`collectives.grouped_gemm`: CUTLASS
+- ``"cutlass"``: ep_comm's own grouped GEMM on Hopper (:mod:`ep_comm.collectives.grouped_gemm`: CUTLASS
   3.x pointer-array kernels, sm_90a, built when the ``nvidia-cutlass`` headers are present),
   bf16/f16 with K and N multiples of 8, every pass in the layout it is given (``dlhs`` reads ``w``
   K-major in place, ``drhs`` reads ``x`` M-major in place: no transposes).
@@ -54,8 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from collectives import grouped_gemm
-from topology.jax_compat import cotangent_like, match_vma, vma_unchecked
+from ep_comm.collectives import grouped_gemm
+from ep_comm.topology.jax_compat import cotangent_like, match_vma, vma_unchecked
 
 PASSES = ("forward", "dlhs", "drhs")
 IMPLEMENTATIONS = ("auto", "xla", "tokamax", "cutlass", "megablox")
@@ -240,7 +240,7 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     """The kernel of one pass as ``f(a, b, group_sizes, out_dtype)``; ``impl`` is ``"xla"``,
     ``"tokamax"`` or ``"cutlass"`` (resolved), ``config`` a tokamax tile config or
     ``"heuristics"`` (tokamax's own; default: :data:`TOKAMAX_CONFIGS` on Hopper, heuristics
-    elsewhere), or for ``"cutlass"`` one of ``collectives.grouped_gemm.CONFIGS``.
+    elsewhere), or for ``"cutlass"`` one of ``ep_comm.collectives.grouped_gemm.CONFIGS``.
 
     ``forward``: ``(M, K) x (G, K, N) -> (M, N)`` grouped over the rows, zero past the
     groups; ``dlhs``: ``(M, N) x (G, K, N) -> (M, K)``, ``dy @ w[g].T`` (``w`` as the forward

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from ep_comm.config import EPConfig
-from topology.checks import positive_int
-from topology.traffic import row_bytes as _traffic_row_bytes
+from ep_comm.topology.checks import positive_int
+from ep_comm.topology.traffic import row_bytes as _traffic_row_bytes
 
 
 @jax.tree_util.register_dataclass

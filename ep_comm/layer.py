@@ -18,7 +18,7 @@ from ep_comm.moe import check_float, combine, dispatch
 from ep_comm.pipeline import (chunk_config, chunk_operands, chunk_routing, join_chunks,
                               resolve_chunks, run_pipeline)
 from ep_comm.rounds import first_round, merge_repeats
-from topology.jax_compat import match_vma
+from ep_comm.topology.jax_compat import match_vma
 
 
 @jax.tree_util.register_dataclass

@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-from collectives.timing import emit, hardware, median_us, pipelined_us, trace_kernels
+from ep_comm.collectives.timing import emit, hardware, median_us, pipelined_us, trace_kernels
 from ep_comm import baselines
 from ep_comm import gemm as gm
 from ep_comm import pipeline
@@ -463,7 +463,7 @@ def overlap_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, c
     (the ceiling the layer approaches when its exchanges hide under them and its other passes
     are small). Per chunk count: the layer's forward time and its ratio to the experts alone --
     each call waited for (``time_us``), and issued ``iters`` times back to back and waited for
-    once (``pipe_us``, :func:`collectives.timing.pipelined_us`: as in a model's step, where the
+    once (``pipe_us``, :func:`ep_comm.collectives.timing.pipelined_us`: as in a model's step, where the
     host enqueues ahead of the device, so the host's launch latency does not count) --
     ``#wrong`` against the one-chunk layer, whether the compiled schedule is the pipeline's
     (:func:`ep_comm.pipeline.check_schedule`), and with ``profile`` the exchange kernels' time

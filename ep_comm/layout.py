@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from collectives import row_kernels
+from ep_comm.collectives import row_kernels
 from ep_comm.placement import ExpertPlacement
 
 
@@ -74,7 +74,7 @@ def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLa
 
 
 def token_routes(topk_ids, topk_weights, placement: ExpertPlacement):
-    """:func:`collectives.row_kernels.token_routes` for a placement (one kernel on GPUs)."""
+    """:func:`ep_comm.collectives.row_kernels.token_routes` for a placement (one kernel on GPUs)."""
     return row_kernels.token_routes(topk_ids, topk_weights, num_experts=placement.num_experts,
                                     num_ranks=placement.num_ranks)
 

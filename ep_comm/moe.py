@@ -15,7 +15,7 @@ dispatch (per rank, ``T`` tokens, ``n`` ranks, ``E_local`` experts per rank):
      ``expert_x``, grouped contiguously by local expert (ordered by source rank, token, k inside
      a group), so ``handle.group_sizes`` feeds ``jax.lax.ragged_dot`` or a grouped GEMM directly;
      the groups' layout is a stable counting sort and each received row is read once
-     (``collectives.row_kernels.expert_layout`` and ``scatter``).
+     (``ep_comm.collectives.row_kernels.expert_layout`` and ``scatter``).
 
 With one rank and room for every token (``routes.is_local``) nothing moves between ranks: step 3
 is skipped (the receive buffer is ``x`` itself) and so is combine's way back.
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from collectives import row_kernels
-from collectives.native import rows_covered
+from ep_comm.collectives import row_kernels
+from ep_comm.collectives.native import rows_covered
 from ep_comm import plan as plans
 from ep_comm.config import EPConfig
 from ep_comm.expand import ZERO_TAIL_ROWS, expand, expert_rows_read
@@ -49,7 +49,7 @@ from ep_comm.overflow import first_invalid, invalid_ids_message, report, runtime
 from ep_comm.rows import gather_sum
 from ep_comm.routes import (Exchange, drive, exclusive_cumsum, flat_route, gather_counts,
                             hierarchical_route, is_local, link_rows, local_route)
-from topology.jax_compat import axis_size
+from ep_comm.topology.jax_compat import axis_size
 
 
 def check_float(api: str, name: str, a, shape) -> None:

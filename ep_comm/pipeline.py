@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import topology
+from ep_comm import topology
 from ep_comm import plan as plans
 from ep_comm import rounds
 from ep_comm.config import EPConfig
@@ -166,7 +166,7 @@ def chunk_counts(cfg: EPConfig) -> list[int]:
 def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | None,
                    weight_bytes: float = 0.0, api: str = "moe_layer") -> int:
     """``cfg.num_chunks``, with ``"auto"`` resolved by the cost model: the chunk count (of
-    :func:`chunk_counts`) with the smallest :meth:`topology.CostModel.pipeline_seconds` for
+    :func:`chunk_counts`) with the smallest :meth:`ep_comm.topology.CostModel.pipeline_seconds` for
     balanced routing. ``flops_per_row``: expert FLOPs per (token, expert) row (``None``:
     unknown, which ``"auto"`` cannot work with); ``weight_bytes``: this rank's expert weights
     (every token chunk's GEMMs read all of them; an expert chunk's read its share). An expert

@@ -19,8 +19,8 @@ import dataclasses
 
 import numpy as np
 
-import topology as topo_mod
-from topology.jax_compat import axis_size
+from ep_comm import topology as topo_mod
+from ep_comm.topology.jax_compat import axis_size
 from ep_comm.config import EPConfig
 
 
@@ -34,7 +34,7 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A resolved plan: ``kind`` ``"flat"`` or ``"hierarchical"``, the ``topology`` used to name
+    """A resolved plan: ``kind`` ``"flat"`` or ``"hierarchical"``, the ``ep_comm.topology`` used to name
     links, and the stages (one for flat, two for hierarchical)."""
 
     kind: str

@@ -1,12 +1,12 @@
 """``ep_comm.ragged_all_to_all``: ``jax.lax.ragged_all_to_all`` on every platform.
 
 Same signature and semantics as :func:`jax.lax.ragged_all_to_all` plus a ``backend=`` choice. The
-transports live in :mod:`collectives`; this module validates the call (JAX's own messages for the
+transports live in :mod:`ep_comm.collectives`; this module validates the call (JAX's own messages for the
 checks JAX makes, clear ones for the rest) and hands it to the chosen transport.
 
 Transform rules: of the four transports, ``portable`` is built from differentiable, batchable
 ``lax`` primitives and ``xla`` is JAX's own primitive; ``nccl`` and ``mpi`` are the engine's
-primitive, which carries jvp, transpose and batching rules of its own (:mod:`collectives.native`).
+primitive, which carries jvp, transpose and batching rules of its own (:mod:`ep_comm.collectives.native`).
 So ``jit``, ``grad`` (w.r.t. ``operand`` and ``output``), ``jvp`` and ``vmap`` work on every one.
 The offsets and sizes are integer arrays and have no gradient.
 """
@@ -20,8 +20,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-import collectives
-from topology.jax_compat import axis_size
+from ep_comm import collectives
+from ep_comm.topology.jax_compat import axis_size
 
 _API = "ragged_all_to_all"
 
@@ -74,7 +74,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       axis_index_groups: optional partition of the axis indices into equal-size groups; the
         exchange runs inside each group and offsets index group members.
       backend: ``"auto"`` (``nccl`` on GPUs where the engine is built, ``xla`` on TPUs, else
-        ``portable``: :func:`collectives.auto_choice`),
+        ``portable``: :func:`ep_comm.collectives.auto_choice`),
         ``"portable"`` (padded ``all_to_all``, every platform), ``"xla"`` (XLA's native op,
         GPU/TPU only, exact bytes but slow on GPUs today; see docs/performance.md), ``"nccl"``
         (the compiled engine, GPUs) or ``"mpi"`` (the compiled engine over MPI, CPU, one device

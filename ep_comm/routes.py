@@ -20,12 +20,12 @@ import jax.numpy as jnp
 
 from ep_comm.layout import repeats_earlier
 from ep_comm.ragged import PendingExchange, _ragged_all_to_all, _ragged_all_to_all_start
-import collectives
-from collectives import barrier, row_kernels
+from ep_comm import collectives
+from ep_comm.collectives import barrier, row_kernels
 from ep_comm.rows import gather_rows
-from topology.jax_compat import match_vma
-from topology.machine import LINK_CLASSES
-from topology.traffic import link_matrix
+from ep_comm.topology.jax_compat import match_vma
+from ep_comm.topology.machine import LINK_CLASSES
+from ep_comm.topology.traffic import link_matrix
 
 
 def exclusive_cumsum(x, axis=0):
@@ -194,7 +194,7 @@ def gather_counts(cfg, v, what):
     """``lax.all_gather(v, cfg.axis_name)`` of a small int32 vector: ``(n, len(v))``, identical on
     every rank. With the mpi transport it goes through the engine's own exchange instead, so that
     it joins that transport's chain of exchanges and its timeout; otherwise it is an XLA
-    collective, behind :mod:`collectives.barrier` between CPU processes (gloo has no timeout)."""
+    collective, behind :mod:`ep_comm.collectives.barrier` between CPU processes (gloo has no timeout)."""
     v = v.astype(jnp.int32)
     if collectives.resolve(cfg.backend, caller=what)[0] != "mpi":
         return barrier.guard(f"{what} (counts)", cfg.axis_name,

@@ -15,7 +15,7 @@ of rows, deterministic (a fixed summation order), float32 accumulation.
   read by at most one ``n`` (any number of its ``k``); its transpose in ``table`` is one gather of
   ``d_out`` rows scaled per row (the inverse found by a scatter of scalars, not of rows).
 
-The row movement itself, forward and backward, is :mod:`collectives.row_kernels`: CUDA kernels on
+The row movement itself, forward and backward, is :mod:`ep_comm.collectives.row_kernels`: CUDA kernels on
 GPUs, XLA elsewhere.
 """
 
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from collectives import row_kernels
-from topology.jax_compat import cotangent_like, match_vma
+from ep_comm.collectives import row_kernels
+from ep_comm.topology.jax_compat import cotangent_like, match_vma
 
 
 def _valid(idx, size):
@@ -46,7 +46,7 @@ def _take(table, idx):
 def gather_rows(table, idx, inv, fill: bool = True):
     """``out[i] = table[idx[i]]``; where ``idx[i]`` is outside ``[0, len(table))``: zero. With
     ``fill=False``, only where ``idx[i] < 0``; rows with ``idx[i] >= len(table)`` are then
-    unspecified (not written on GPUs: :func:`collectives.row_kernels.gather`).
+    unspecified (not written on GPUs: :func:`ep_comm.collectives.row_kernels.gather`).
 
     Args:
       table: ``(N, ...)``.

@@ -30,13 +30,13 @@ spacing ``2**-9``), and by ``2**-126`` more where the value delivered would be s
 values beyond ``448 * s`` saturate to it: off by less than ``2**-3 * |x|`` (a block's largest
 value scales to just under 512).
 
-The math lives in :mod:`collectives.row_kernels` (``quantize_blocks``, ``dequantize_blocks``), in
+The math lives in :mod:`ep_comm.collectives.row_kernels` (``quantize_blocks``, ``dequantize_blocks``), in
 XLA: the sender's quantization runs as XLA fusions on every platform (a one-kernel version
 measured slower on the H200: 92 us against XLA's 64 us for 4096 x 7168 bf16 rows in e4m3), and the
 receiver's scatter with dequantization as one kernel on GPUs
-(:func:`collectives.row_kernels.scatter_dequant`), equal to the XLA math bit for bit. With one
+(:func:`ep_comm.collectives.row_kernels.scatter_dequant`), equal to the XLA math bit for bit. With one
 rank nothing crosses a wire: dispatch quantizes and dequantizes each row in registers as it
-scatters it (:func:`collectives.row_kernels.scatter_fake_quant`), the same values in one pass.
+scatters it (:func:`ep_comm.collectives.row_kernels.scatter_fake_quant`), the same values in one pass.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from collectives import row_kernels
+from ep_comm.collectives import row_kernels
 
 WIRE_FORMATS = (None, "e4m3", "mxfp8")
 BLOCK = {"e4m3": 128, "mxfp8": 32}

@@ -19,7 +19,7 @@
   its default tile config and tokamax, against the dense einsum of the same FLOPs in the same run
   (``docs/bench/h200x1_cutlass/run3_layer_cutlass_deepseek.json``).
 
-The scale model's curve is ``docs/bench/scale_model/efficiency.png`` (``python -m topology.scale
+The scale model's curve is ``docs/bench/scale_model/efficiency.png`` (``python -m ep_comm.topology.scale
 --png``).
 """
 
@@ -122,7 +122,7 @@ def tpu_layer(ax):
 
 
 def cutlass_passes(ax):
-    from collectives.grouped_gemm import DEFAULT_CONFIGS
+    from ep_comm.collectives.grouped_gemm import DEFAULT_CONFIGS
     rep = _report("h200x1_cutlass", "run3_layer_cutlass_deepseek.json")
     by = {(r["gemm"], r["pass_"], r["impl"]): r["x_dense"] for r in rep["results"]
           if "x_dense" in r}

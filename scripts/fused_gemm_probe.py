@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from collectives import grouped_gemm as gg
-from collectives.timing import hardware, median_us
+from ep_comm.collectives import grouped_gemm as gg
+from ep_comm.collectives.timing import hardware, median_us
 
 
 def check(rng) -> list[str]:

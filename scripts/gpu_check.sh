@@ -3,7 +3,7 @@
 # build the native engine, the test suite on the GPU (nccl, xla and portable backends), the
 # exchange benchmark (engine vs device copy vs lax.ragged_all_to_all, overlap with a profile),
 # the dispatch/combine benchmark at a DeepSeek-V3-like single-rank config, and the topology step:
-# discovery with NVML (`python -m topology`) and the cost model's `self` link calibrated from the
+# discovery with NVML (`python -m ep_comm.topology`) and the cost model's `self` link calibrated from the
 # engine's exchange at four sizes. STEPS picks steps (default: all of
 # build,tests,exchange,dispatch,topology; `sanitize` -- compute-sanitizer memcheck of the row
 # kernels' tests -- `gemm` -- the CUTLASS grouped GEMM: build (nvidia-cutlass from .whl/),
@@ -19,7 +19,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+. scripts/source_tree.sh  # the installed layout of the source tree on PYTHONPATH
+export PYTHONUNBUFFERED=1
 # the GPU machines run every transport: the suite's full matrices (docs/testing.md)
 export EP_COMM_TEST_FULL="${EP_COMM_TEST_FULL:-1}"
 PY="${PYTHON:-python3}"
@@ -44,7 +45,7 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(c
   > "$OUT/build.txt" 2>&1 && cmake --build build >> "$OUT/build.txt" 2>&1 \
   && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
 grep "ep_comm:" "$OUT/build.txt"; echo "built in $(( $(date +%s) - t0 )) s"; }
-"$PY" -c "import collectives; print(collectives.available())" | tee -a "$OUT/gpu.txt"
+"$PY" -c "from ep_comm import collectives; print(collectives.available())" | tee -a "$OUT/gpu.txt"
 if ! "$PY" -c "import pynvml" 2>/dev/null; then
   if compgen -G "wheels/nvidia_ml_py-*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps wheels/nvidia_ml_py-*.whl
@@ -55,7 +56,7 @@ fi
 step tests && echo "== tests on $("$PY" -c 'import jax; print(jax.device_count())') GPU(s)" && \
 "$PY" -m pytest -q -p no:cacheprovider --timeout 600 ${EP_COMM_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/tests.txt"
 step exchange && echo "== exchange bench" && \
-"$PY" -m collectives.bench --rows 4096,32768 --hidden 7168 --overlap --profile "$OUT/profile" \
+"$PY" -m ep_comm.collectives.bench --rows 4096,32768 --hidden 7168 --overlap --profile "$OUT/profile" \
   --json "$OUT/exchange.json" 2>&1 | tee "$OUT/exchange.txt"
 if step sanitize; then
   echo "== compute-sanitizer memcheck of the row kernels (malformed indices included)"
@@ -157,7 +158,7 @@ if step lifecycle; then
 fi
 if step topology; then
   echo "== topology: discovery (NVML) and the cost model's self link calibrated on this GPU"
-  "$PY" -m topology --save "$OUT/topology.json" 2>&1 | tee "$OUT/topology.txt"
-  "$PY" -m collectives.bench --rows 1024,4096,16384,32768 --hidden 7168 --calibrate \
+  "$PY" -m ep_comm.topology --save "$OUT/topology.json" 2>&1 | tee "$OUT/topology.txt"
+  "$PY" -m ep_comm.collectives.bench --rows 1024,4096,16384,32768 --hidden 7168 --calibrate \
     --json "$OUT/calibration.json" 2>&1 | tee "$OUT/calibration.txt"
 fi

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-from collectives.timing import median_us, pipelined_us
+from ep_comm.collectives.timing import median_us, pipelined_us
 from ep_comm.bench import in_program, kernel_us, make_routing
 
 CALLS = 20

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
-from collectives.timing import pipelined_us, trace_kernels
+from ep_comm.collectives.timing import pipelined_us, trace_kernels
 from ep_comm.bench import make_routing
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from collectives.timing import trace_kernels
+from ep_comm.collectives.timing import trace_kernels
 
 
 def summary(folder: str, calls: int = 3, top: int = 22) -> str:

@@ -1,7 +1,7 @@
 """Lifecycle and determinism of the engine, under ``mpirun`` (CPU, the mpi transport), or on GPUs
 with ``--backend nccl`` (one process per GPU; one GPU runs without ``mpirun``):
 
-- ``--cycles`` (default 200) of bootstrap -> dispatch + combine -> ``collectives.finalize()``:
+- ``--cycles`` (default 200) of bootstrap -> dispatch + combine -> ``ep_comm.collectives.finalize()``:
   open file descriptors, threads and resident memory of each process, sampled after every cycle;
   reports the first and last values and the growth per cycle (least squares over the second half,
   after the caches have warmed up); with ``--backend nccl`` also the GPU's used memory
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import collectives
+from ep_comm import collectives
 import ep_comm
 
 

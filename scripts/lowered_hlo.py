@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import collectives
+from ep_comm import collectives
 import ep_comm
-import topology
-from collectives import bootstrap
+from ep_comm import topology
+from ep_comm.collectives import bootstrap
 
 # Lowering only: the nccl transport counts as available on this (CPU) backend, and a communicator
 # is its key, without creating anything.

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import collectives
+from ep_comm import collectives
 import ep_comm
-from collectives import row_kernels as rk
-from collectives.timing import hardware, median_us, pipelined_us
+from ep_comm.collectives import row_kernels as rk
+from ep_comm.collectives.timing import hardware, median_us, pipelined_us
 from ep_comm import baselines
 
 SHAPE = [a for a in sys.argv[1:] if not a.startswith('-')] or [4096, 2048, 8, 32, 1024]

@@ -10,7 +10,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+. scripts/source_tree.sh  # the installed layout of the source tree on PYTHONPATH
+export PYTHONUNBUFFERED=1
 # the GPU machines run every transport: the suite's full matrices (docs/testing.md)
 export EP_COMM_TEST_FULL="${EP_COMM_TEST_FULL:-1}"
 N="${1:-$(nvidia-smi -L | wc -l)}"
@@ -21,7 +22,7 @@ if [ ! -e collectives/_ep_nccl*.so ]; then
     && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
 fi
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
-BENCH_X=(-m collectives.bench --rows "${EP_COMM_BENCH_ROWS:-4096,32768}" --hidden 7168)
+BENCH_X=(-m ep_comm.collectives.bench --rows "${EP_COMM_BENCH_ROWS:-4096,32768}" --hidden 7168)
 BENCH_D=(-m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 --routing "${EP_COMM_BENCH_ROUTING:-uniform,skewed}")
 visible=$(seq -s, 0 $((N - 1)))
 

@@ -80,7 +80,7 @@ setup() {
     tail -30 "$log"
     return 1
   fi
-  "$VENV/bin/python" -c "import collectives; print('   transports:', collectives.available())"
+  "$VENV/bin/python" -c "from ep_comm import collectives; print('   transports:', collectives.available())"
   echo "$key $extras" > "$stamp"
   echo "== set-up took $((SECONDS - t0)) s"
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one TPU chip can show, in one go (the device tool's tpu-v5e kind: Python 3.11, jax
 # 0.10.2, no sockets, one program on the chip at a time; nothing installed beyond jax):
-#   info     the platform, collectives.available() and what backend="auto" takes there;
+#   info     the platform, ep_comm.collectives.available() and what backend="auto" takes there;
 #   bench    ep_comm.bench at the issue's shape (T=4096, top-8 of 32, H=2048, bf16) and at a
 #            DeepSeek-V3-like rank (H=7168, top-8 of 256), plain JAX's permute/unpermute beside;
 #   layer    ep_comm.layer_bench's layer at T=4096, H=2048, I=1024, top-8 of 32, and at a
@@ -15,13 +15,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+. scripts/source_tree.sh  # the installed layout of the source tree on PYTHONPATH
+export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 STEPS=",${STEPS:-info,tests,bench,layer},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 quiet() { grep -v -i "hugepage\|warnings.warn"; }
 step info && "$PY" -c "
-import jax, collectives
+import jax
+from ep_comm import collectives
 print('jax', jax.__version__, jax.devices())
 print('available:', collectives.available())
 print('auto:', collectives.auto_choice())" 2>&1 | quiet | tee "$OUT/tpu.txt"

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
-from collectives.timing import median_us
+from ep_comm.collectives.timing import median_us
 from ep_comm import gemm
 
 MAXTEXT = (512, 1024, 1024)

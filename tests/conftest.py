@@ -118,8 +118,7 @@ def matrix(names: str, *axes, strength: int = 2):
 
 def backend_skip_reason(backend: str) -> str | None:
     """Why ``backend`` cannot run in this test process (None: it can)."""
-    import collectives
-
+    from ep_comm import collectives
     why = collectives.available()[backend]
     if why is None and backend == "mpi" and jax.local_device_count() != 1:
         why = ("backend='mpi' needs one device per process (mpirun with EP_COMM_CPU_DEVICES=1); "

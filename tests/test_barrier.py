@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from collectives import barrier
+from ep_comm.collectives import barrier
 from conftest import AXIS
 
 _SERVICE_ERROR = (

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ep_comm
-from collectives import row_kernels
+from ep_comm.collectives import row_kernels
 from conftest import BACKENDS
 from moe_reference import Reference, dense_moe, routing
 

@@ -3,7 +3,7 @@
 Every ```python block right after a ``<!-- example -->`` line in README.md or docs/*.md runs as
 it stands (on this run's devices: 8 CPU devices in the test command), every relative link
 between those pages names a file that exists and, with ``#anchor``, a heading in it, every
-``ep_comm.*`` / ``collectives.*`` / ``topology.*`` name they quote exists, and the performance
+``ep_comm.*`` / ``ep_comm.collectives.*`` / ``ep_comm.topology.*`` name they quote exists, and the performance
 page's plots are drawn from the committed benchmark JSON. (The Sphinx build, warnings as errors,
 checks the site's cross-references and that every public name has a docstring.)
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_relative_links_resolve(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_api_exists(page):
-    """Every ``ep_comm.x`` / ``collectives.x`` / ``topology.x`` a page names in backticks exists
+    """Every ``ep_comm.x`` / ``ep_comm.collectives.x`` / ``ep_comm.topology.x`` a page names in backticks exists
     (the docs build checks the guide's pages the same way; README.md is not one of them)."""
     pytest.importorskip("sphinx", reason="the check lives in the docs' Sphinx extension")
     stale = _load("docs/_ext/doccheck.py").stale_names(page.read_text())
@@ -101,3 +102,22 @@ def test_layout_names_every_module():
             if path.name != "__init__.py" and f"`{path.name}`" not in bullet.group(1):
                 missing.append(f"{pkg}/{path.name}")
     assert not missing, f"docs/layout.md does not name {missing}"
+
+
+# An import of, or `python -m` with, a top-level `collectives` or `topology`: the packages install as ep_comm.collectives and ep_comm.topology, so these names work only where
+# the source tree happens to be on sys.path (an editable install puts it there) and not when
+# installed.
+TOP_LEVEL_USE = re.compile(
+    r"^\s*(?:from|import) (?:collectives|topology)\b|-m\W+(?:collectives|topology)\b", re.M)
+
+
+def test_no_top_level_collectives_or_topology():
+    """Nothing in the tree imports or runs ``collectives`` or ``topology`` by a top-level name."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    found = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in {".py", ".sh", ".md", ".toml"} and not name.startswith("docs/bench/"):
+            found += [f"{name}: {m.group(0).strip()}" for m in TOP_LEVEL_USE.finditer(path.read_text())]
+    assert not found, f"top-level names that exist only in the source tree: {found}"

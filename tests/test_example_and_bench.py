@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-import topology
+from ep_comm import topology
 from ep_comm import bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -157,7 +157,7 @@ def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
 
 
 def test_emit_saves_a_report_in_progress_and_replaces_it_when_done(tmp_path, capsys):
-    from collectives.timing import emit
+    from ep_comm.collectives.timing import emit
 
     path = tmp_path / "r.json"
     first, so_far, whole = dict(kind="a"), dict(kind="b", rows=[1], partial=True), \

@@ -2,7 +2,7 @@
 the mpi transport, a rank that makes one call fewer and a rank that stalls between the metadata and
 the payload leave the survivors with a diagnostic naming the operation and the peer within the
 timeout (plus start-up), never a hang; with the portable transport, a rank that makes one call
-fewer leaves them the barrier's diagnostic (``collectives.barrier``)."""
+fewer leaves them the barrier's diagnostic (``ep_comm.collectives.barrier``)."""
 
 import importlib.util
 import os
@@ -10,8 +10,7 @@ import shutil
 
 import pytest
 
-import collectives
-
+from ep_comm import collectives
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("faults", os.path.join(HERE, "..", "scripts",
                                                                        "faults.py"))

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, seed, settings, strategies as st
 
 import ep_comm
-import topology
+from ep_comm import topology
 from conftest import BASE_SEED, FULL
 from moe_reference import Reference
 
@@ -219,8 +219,7 @@ def test_topology_counts_or_raises(case):
     plans): each call raises a ValueError/TypeError naming itself, or counts what a numpy
     reference counts (dispatch rows per rank: a token once per rank holding one of its valid
     experts)."""
-    import topology
-
+    from ep_comm import topology
     rng = np.random.default_rng(case)
 
     def pick(good, bad):  # a bad value one time in twelve

@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-import topology
+from ep_comm import topology
 from conftest import BACKENDS, N_DEVICES, matrix
 from moe_reference import Reference, dense_moe, hits_mean_sd, routing
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ep_comm
-from collectives import grouped_gemm
+from ep_comm.collectives import grouped_gemm
 from ep_comm import gemm
 from moe_reference import check_nnx_against_dense, dense_swiglu_moe, routing
 
@@ -393,7 +393,7 @@ def test_grouped_gemm_every_tile_config_equals_the_dense_product(rng, config):
 def test_grouped_gemm_cutlass_selftest_and_determinism(rng):
     """The kernels on malformed group sizes outside XLA (what compute-sanitizer runs), and the
     same inputs giving the same bits twice, at a shape of several tiles and ragged groups."""
-    from collectives import bootstrap
+    from ep_comm.collectives import bootstrap
     assert bootstrap.load("gemm")[0].selftest() == 0
     sizes = jnp.array([300, 0, 1, 700, 129, 0, 2000], jnp.int32)  # 3130 of 3200 rows
     x = jnp.asarray(rng.standard_normal((3200, 512)), jnp.bfloat16)
@@ -533,7 +533,7 @@ def test_fused_forward_kernel_equals_its_reference(rng, dtype):
     compute-sanitizer runs), and the same bits twice. The last case has more tiles than an H200
     has SMs (the forward's about 200, the weight gradient's 160), so a persistent CTA walks on
     to a second."""
-    from collectives import bootstrap
+    from ep_comm.collectives import bootstrap
     assert bootstrap.load("gemm")[0].fused_selftest() == 0
     for sizes, M in (([40, 0, 131, 1, 9], 181), ([7, -3, 500, 9, 2], 150), ([0] * 5, 64),
                      ([3000, 0, 5000, 1, 4000], 12100)):
@@ -893,7 +893,7 @@ def test_kernel_outputs_take_the_inputs_varying_axes(sharded, n):
     """A kernel (Pallas) output carries no varying-axes type inside shard_map; a custom VJP that
     returns one for a varying input fails JAX's check unless match_vma marks it (what gemm does
     with tokamax's outputs)."""
-    from topology.jax_compat import match_vma
+    from ep_comm.topology.jax_compat import match_vma
 
     def grad_with(mark):
         @jax.custom_vjp

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import collectives
+from ep_comm import collectives
 import ep_comm
 
 T, K, H = 16, 4, 24
@@ -71,8 +71,7 @@ def test_xla_backend_lowers_to_native_ragged_all_to_all(mesh, n):
 def test_hierarchical_dispatch_sends_T_rows_per_node_then_forwards_inside_the_node(mesh, n):
     if n < 4 or n % 2:
         pytest.skip("needs an even device count >= 4")
-    import topology
-
+    from ep_comm import topology
     N, G = 2, n // 2
     text = lowered_dispatch(mesh, n, "portable", plan="hierarchical",
                             topology=topology.simulated(N, G))

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-import collectives
+from ep_comm import collectives
 import ep_comm
-from collectives import bootstrap
+from ep_comm.collectives import bootstrap
 from conftest import AXIS, BACKENDS, Sharded, backend_skip_reason
 from ep_comm.ragged import _ragged_all_to_all
 

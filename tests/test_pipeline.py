@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-import topology
+from ep_comm import topology
 from conftest import BASE_SEED, FULL, full
 from ep_comm import pipeline
 from moe_reference import dense_swiglu_moe, routing

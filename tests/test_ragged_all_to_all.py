@@ -11,7 +11,7 @@ import ml_dtypes  # noqa: F401  (bfloat16 for numpy, shipped with jax)
 import numpy as np
 import pytest
 
-import collectives
+from ep_comm import collectives
 import ep_comm
 from conftest import BACKENDS
 

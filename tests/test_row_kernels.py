@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import collectives
+from ep_comm import collectives
 import ep_comm
-from collectives import row_kernels
+from ep_comm.collectives import row_kernels
 from ep_comm.expand import ZERO_TAIL_ROWS, expand
 from ep_comm.routes import Route
 from ep_comm.rows import gather_sum as rows_gather_sum

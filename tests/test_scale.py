@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 
-from topology import CostModel, Link, count_traffic, simulated
-from topology.scale import (H200, H800, LayerSpec, Schedule, counts_from_ids, draw_routing,
+from ep_comm.topology import CostModel, Link, count_traffic, simulated
+from ep_comm.topology.scale import (H200, H800, LayerSpec, Schedule, counts_from_ids, draw_routing,
                             layer_time, main, one_gpu, traffic, validate, wire_row_bytes)
-from topology.traffic import link_matrix
+from ep_comm.topology.traffic import link_matrix
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = LayerSpec(experts=64, topk=4, hidden=512, intermediate=256, tokens_per_gpu=256)
@@ -198,7 +198,7 @@ def test_cli_writes_table_json_and_png(tmp_path, capsys):
 
 
 def test_ep_vs_dp_prices_memory_exchange_and_the_gradient_sum():
-    from topology import parallelism
+    from ep_comm.topology import parallelism
 
     spec = LayerSpec(tokens_per_gpu=512)
     rows = parallelism.ep_vs_dp(32, (8, 32), spec=spec, sample_tokens=64)

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import topology
+from ep_comm import topology
 from moe_reference import hits_mean_sd
-from topology import CostModel, Link
+from ep_comm.topology import CostModel, Link
 
 
 def test_simulated_shape_links_and_roundtrip(tmp_path):
@@ -80,7 +80,7 @@ def test_cli_prints_topology_and_predictions():
         pytest.skip("the CLI is run in a fresh single process")
     env = dict(os.environ, EP_COMM_TOPOLOGY="2x4", XLA_FLAGS="")
     env.pop("OMPI_COMM_WORLD_SIZE", None)
-    out = subprocess.run([sys.executable, "-m", "topology", "--json"], env=env,
+    out = subprocess.run([sys.executable, "-m", "ep_comm.topology", "--json"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)

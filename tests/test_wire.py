@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
-import topology
+from ep_comm import topology
 from conftest import BACKENDS
 from ep_comm import wire
 
@@ -192,7 +192,7 @@ def test_fp8_dispatch_equals_dispatch_of_the_quantized_rows(sharded, n, fmt, bac
 
 
 def test_fp8_hierarchical_equals_flat(n):
-    import topology
+    from ep_comm import topology
     if n < 4 or n % 2:
         pytest.skip("the hierarchical plan needs 2 nodes of 2+ devices")
     mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -2,11 +2,11 @@
 (:class:`Topology`), traffic accounting per link class, the alpha-beta cost model that picks the
 exchange plan, and node-limited routing."""
 
-from topology.cost import H200_DEFAULTS, CostModel, Link
-from topology.machine import (ENV, LINK_CLASSES, Device, Node, Topology, current, discover, known,
+from ep_comm.topology.cost import H200_DEFAULTS, CostModel, Link
+from ep_comm.topology.machine import (ENV, LINK_CLASSES, Device, Node, Topology, current, discover, known,
                               parse, simulated)
-from topology.routing import Routing, group_limited_topk, node_limited_topk
-from topology.traffic import (PLANS, WIRE_FORMATS, Exchange, Traffic, count_matrices,
+from ep_comm.topology.routing import Routing, group_limited_topk, node_limited_topk
+from ep_comm.topology.traffic import (PLANS, WIRE_FORMATS, Exchange, Traffic, count_matrices,
                               count_traffic, expected_traffic, link_matrix, row_bytes,
                               token_bytes)
 

@@ -1,4 +1,4 @@
-"""``python -m topology``: print the machine ep_comm plans with, and what the cost model predicts.
+"""``python -m ep_comm.topology``: print the machine ep_comm plans with, and what the cost model predicts.
 
 Options: ``--save FILE`` writes the topology as JSON (load it back with ``EP_COMM_TOPOLOGY=FILE``);
 ``--json`` prints JSON instead of the table; ``--simulate NxG`` plans for a simulated machine.
@@ -15,7 +15,7 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m topology", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ep_comm.topology", description=__doc__.split("\n")[0])
     p.add_argument("--simulate", metavar="NxG", help="plan for N nodes x G devices instead")
     p.add_argument("--save", metavar="FILE", help="write the topology as JSON")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -33,8 +33,8 @@ def main(argv=None) -> int:
 
     import jax
 
-    import topology
-    from topology.processes import initialize
+    from ep_comm import topology
+    from ep_comm.topology.processes import initialize
     initialize()
 
     topo = topology.parse(args.simulate) if args.simulate else topology.current()
@@ -92,8 +92,7 @@ def sampled(topo, args, model) -> dict:
     """Count the traffic of drawn routings (numpy; the router runs on the default device)."""
     import jax.numpy as jnp
 
-    import topology
-
+    from ep_comm import topology
     n, T, E, K = topo.num_ranks, args.tokens, args.experts, args.topk
     rng = np.random.default_rng(args.seed)
     scores = rng.random((n * T, E), dtype=np.float32)

@@ -1,6 +1,6 @@
 """The one module that touches JAX internals or version-dependent behaviour.
 
-It sits at the bottom of the package stack (``ep_comm`` -> ``collectives`` -> ``topology``), so
+It sits at the bottom of the package stack (``ep_comm`` -> ``ep_comm.collectives`` -> ``ep_comm.topology``), so
 every layer takes its shims from here; everything else uses public JAX APIs only.
 """
 

@@ -1,6 +1,6 @@
 """``Topology``: which expert-parallel ranks share a node, and how the GPUs of a node are linked.
 
-A topology is a value: it prints as a table (``str(topo)``, ``python -m topology``), saves to and
+A topology is a value: it prints as a table (``str(topo)``, ``python -m ep_comm.topology``), saves to and
 loads from JSON, and compares equal when it describes the same machine. Three ways to get one:
 
 - :func:`discover`: every process publishes its host name and its devices (with NVML, through the
@@ -27,7 +27,7 @@ from typing import Sequence
 
 import jax
 
-from topology.checks import positive_int
+from ep_comm.topology.checks import positive_int
 
 ENV = "EP_COMM_TOPOLOGY"
 LINK_CLASSES = ("self", "nvlink", "pcie", "network")
@@ -317,7 +317,7 @@ def discover() -> Topology:
     NUMA and NIC facts need ``nvidia-ml-py``; without it the devices are listed without them and
     the intra-node link class is taken to be PCIe.
     """
-    from topology.processes import process_allgather
+    from ep_comm.topology.processes import process_allgather
 
     infos = process_allgather(_local_description(), what="topology")
     hosts: dict[str, list[dict]] = {}

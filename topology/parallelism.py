@@ -8,13 +8,13 @@ the same on its ``dp`` replicas; the tokens are split over all ``gpus``). Per ``
   12 bytes per parameter) its optimizer state; FSDP over the ``dp`` replicas divides both by
   ``dp`` (and gathers the weights for the layer);
 - **the exchange**: dispatch and combine within the group, priced by the scale model
-  (:func:`topology.scale.layer_time`: forward and backward, the hierarchical plan, uniform
+  (:func:`ep_comm.topology.scale.layer_time`: forward and backward, the hierarchical plan, uniform
   routing), with the bytes the bottleneck GPU sends between nodes;
 - **the gradient sum** of the expert weights over the ``dp`` replicas, once per step: a ring
   all-reduce sends ``2 (dp - 1) / dp`` of the gradient's bytes per GPU, here over the network (the
   replicas of a GPU sit on other nodes when ``ep`` fills whole nodes).
 
-Run ``python -m topology.parallelism`` (``--gpus``, ``--ep``, ``--json``).
+Run ``python -m ep_comm.topology.parallelism`` (``--gpus``, ``--ep``, ``--json``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import dataclasses
 import json
 from typing import Sequence
 
-from topology.checks import positive_int
-from topology.scale import H200, Hardware, LayerSpec, Schedule, _table, layer_time
+from ep_comm.topology.checks import positive_int
+from ep_comm.topology.scale import H200, Hardware, LayerSpec, Schedule, _table, layer_time
 
 ADAM_BYTES = 12  # float32 master weights and two moments per parameter
 
@@ -80,7 +80,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m topology.parallelism",
+    ap = argparse.ArgumentParser(prog="python -m ep_comm.topology.parallelism",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--ep", default="8,16,32,64", help="comma-separated expert-parallel degrees")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from topology.checks import int_in_range
+from ep_comm.topology.checks import int_in_range
 
 
 @jax.tree_util.register_dataclass
@@ -87,5 +87,5 @@ def group_limited_topk(scores, topk: int, *, num_groups: int, topk_groups: int,
 def node_limited_topk(scores, topk: int, *, num_nodes: int, max_nodes: int, **kwargs) -> Routing:
     """:func:`group_limited_topk` with one group per node: each token reaches at most
     ``max_nodes`` of ``num_nodes`` nodes (experts placed in contiguous blocks per node).
-    ``num_nodes``: e.g. ``topology.current().num_nodes``."""
+    ``num_nodes``: e.g. ``ep_comm.topology.current().num_nodes``."""
     return group_limited_topk(scores, topk, num_groups=num_nodes, topk_groups=max_nodes, **kwargs)

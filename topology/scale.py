@@ -2,13 +2,13 @@
 
 Only one GPU is lent to this project, so what ep_comm's schedule does at scale is said by a model
 calibrated on what one H200 measured and on public link figures, and checked against published
-results (``python -m topology.scale --validate``).
+results (``python -m ep_comm.topology.scale --validate``).
 
 What one layer is here (per GPU of an expert-parallel group of ``ep`` ranks, ``T`` tokens each,
 top-``K`` of ``E`` experts, SwiGLU width ``I``, hidden ``H``):
 
 - **exchanges** (``dispatch``, ``combine``; in the backward their transposes) with the rows the
-  routing puts on every pair of ranks, priced per leg by :class:`topology.CostModel` (alpha-beta
+  routing puts on every pair of ranks, priced per leg by :class:`ep_comm.topology.CostModel` (alpha-beta
   per link class, the slowest rank bounding the leg) for the flat or the hierarchical plan and a
   bf16 or FP8 wire (row bytes with their scales);
 - **local passes** (pack, expand, the weighted sums) at the effective rates of ep_comm's local data
@@ -47,9 +47,9 @@ from typing import Sequence
 
 import numpy as np
 
-from topology.cost import CostModel, Link
-from topology.machine import simulated
-from topology.traffic import PLANS, Traffic, _legs, row_bytes
+from ep_comm.topology.cost import CostModel, Link
+from ep_comm.topology.machine import simulated
+from ep_comm.topology.traffic import PLANS, Traffic, _legs, row_bytes
 
 WIRES = ("bf16", "e4m3", "mxfp8")
 ROUTINGS = ("uniform", "zipf", "node_limited")
@@ -59,7 +59,7 @@ PASSES = ("forward", "dlhs", "drhs")
 def wire_row_bytes(hidden: int, wire: str, topk: int) -> int:
     """Bytes of one dispatch row on the wire: the token (bf16; e4m3 with one float32 scale per 128
     elements, DeepEP's layout; MXFP8 with one e8m0 byte per 32) and its routing (``2 * topk``
-    float32: weights and ids); ``topology.row_bytes``'s count."""
+    float32: weights and ids); ``ep_comm.topology.row_bytes``'s count."""
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
     return row_bytes(hidden, np.float16, topk, None, None if wire == "bf16" else wire)[0]
@@ -276,7 +276,7 @@ def counts_from_ids(ids, experts: int, gpus_per_node: int) -> dict[str, np.ndarr
 
 def _forward_matrix(tok: np.ndarray, G: int) -> np.ndarray:
     """Stage 2 of the hierarchical plan: forwarder ``(node of d, local index of s)`` sends ``d``
-    what ``s`` sent it (``topology.traffic.count_matrices``'s rule, vectorised)."""
+    what ``s`` sent it (``ep_comm.topology.traffic.count_matrices``'s rule, vectorised)."""
     n = tok.shape[0]
     N = n // G
     by_local = tok.reshape(N, G, n).sum(0)  # [l, d]: rows from sources of local index l to d
@@ -633,7 +633,7 @@ def plot(rows: list, path: str) -> bool:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m topology.scale", description=__doc__.split(
+    ap = argparse.ArgumentParser(prog="python -m ep_comm.topology.scale", description=__doc__.split(
         "\n")[0])
     ap.add_argument("--gpus", default=",".join(map(str, GPU_COUNTS)),
                     help="comma-separated GPU counts (whole nodes of 8)")

@@ -3,7 +3,7 @@
 Everything here is numpy and independent of the JAX implementation, so tests can hold the two
 against each other. A plan is a sequence of :class:`Exchange` legs; each leg is an ``(n, n)``
 matrix of rows rank ``s`` sends to rank ``d`` and the bytes of one row. Link classes
-(:data:`topology.LINK_CLASSES`): ``self`` (a rank to itself: a device copy), ``nvlink`` or
+(:data:`ep_comm.topology.LINK_CLASSES`): ``self`` (a rank to itself: a device copy), ``nvlink`` or
 ``pcie`` (inside a node), ``network`` (between nodes).
 
 Rows per plan (``T`` tokens per rank, ``K`` = top-k, ``b`` bytes per element, ``H`` hidden):
@@ -27,8 +27,8 @@ from math import comb
 
 import numpy as np
 
-from topology.checks import dtype_arg, positive_int
-from topology.machine import LINK_CLASSES, Topology
+from ep_comm.topology.checks import dtype_arg, positive_int
+from ep_comm.topology.machine import LINK_CLASSES, Topology
 
 PLANS = ("flat", "hierarchical")
 # dispatch's token row formats on the wire (ep_comm.wire): None = the tokens' own dtype; FP8 e4m3
@@ -210,7 +210,7 @@ def count_traffic(topk_ids, *, num_experts: int, topology: Topology, hidden: int
     Args:
       topk_ids: ``(ranks, tokens, topk)`` integer expert ids of every rank (``-1``: none).
       num_experts: experts, in contiguous blocks per rank.
-      topology: the machine; ``topology.num_ranks`` must equal ``ranks``.
+      topology: the machine; ``ep_comm.topology.num_ranks`` must equal ``ranks``.
       hidden, dtype: the token rows (``x.shape[1]``, ``x.dtype``).
       plan: ``"flat"`` or ``"hierarchical"``.
       combine_dtype: dtype of the partial sums sent back (default ``dtype``).

@@ -3,7 +3,7 @@
 - a public function, class, exception, method or property without a docstring (autodoc gives it an
   empty entry), or a docstring that shows a private path (``jax.jaxlib._jax.Array``);
 - (not a warning) a dataclass's fields are listed once, in its ``Attributes:``;
-- a name ``ep_comm.*`` / ``collectives.*`` / ``topology.*`` quoted in backticks on a page that
+- a name ``ep_comm.*`` / ``ep_comm.collectives.*`` / ``ep_comm.topology.*`` quoted in backticks on a page that
   does not exist (renamed or removed).
 
 ``tests/test_docs.py`` applies :func:`stale_names` to README.md too (not a Sphinx source)."""
@@ -15,7 +15,7 @@ import re
 
 from sphinx.util import logging
 
-NAME = re.compile(r"`((?:ep_comm|collectives|topology)(?:\.[A-Za-z_]\w*)+)")
+NAME = re.compile(r"`(ep_comm(?:\.[A-Za-z_]\w*)+)")
 _log = logging.getLogger(__name__)
 
 
@@ -55,8 +55,8 @@ def _require_docstrings(app, what, name, obj, options, lines):
             _log.warning(f"{name}: shows the private path {path} (name the public one)")
 
 
-PACKAGES = ("ep_comm", "ep_comm.distributed", "ep_comm.plan", "ep_comm.nnx", "collectives",
-            "topology")
+PACKAGES = ("ep_comm", "ep_comm.distributed", "ep_comm.plan", "ep_comm.nnx",
+            "ep_comm.collectives", "ep_comm.topology")
 
 
 def dataclass_fields() -> frozenset[str]:
