@@ -12,7 +12,8 @@ Transports (each a function with ``lax.ragged_all_to_all``'s signature):
   under ``mpirun``); it exercises the engine's protocol and error paths without a GPU.
 
 ``available()`` says which transports can run on a platform and why the others cannot;
-``resolve(backend, platform)`` turns a user's ``backend=`` (including ``"auto"``) into a transport.
+``resolve_transport(backend, platform)`` turns a user's ``backend=`` (including ``"auto"``)
+into a transport.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable, Mapping
 from ep_comm.collectives import bootstrap, native, portable, xla
 from ep_comm.collectives.bootstrap import finalize  # noqa: F401  (public: collectives.finalize)
 
-__all__ = ["BACKENDS", "auto_choice", "available", "finalize", "resolve"]
+__all__ = ["BACKENDS", "auto_choice", "available", "finalize", "resolve_transport"]
 
 BACKENDS = ("auto", "portable", "xla", "mpi", "nccl")
 
@@ -82,7 +83,7 @@ def auto_choice(platform: str | None = None) -> tuple[str, str]:
     return "portable", f"nccl: {reason}; the portable transport runs everywhere"
 
 
-def resolve(backend: str, platform: str | None = None, *, caller: str = "ragged_all_to_all"
+def resolve_transport(backend: str, platform: str | None = None, *, caller: str = "ragged_all_to_all"
             ) -> tuple[str, Callable]:
     """Map ``backend`` to ``(name, transport function)`` for ``platform``.
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from ep_comm.topology.jax_compat import axis_size, distributed_client
+from ep_comm.topology._jax_compat import axis_size, distributed_client
 from ep_comm.topology.processes import timeout_s
 
 _BARRIER_ID = "ep_comm/barrier"  # the one barrier every guarded call uses

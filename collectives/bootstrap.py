@@ -31,7 +31,7 @@ from typing import Sequence
 
 import jax
 
-from ep_comm.topology.jax_compat import command_buffer_traits
+from ep_comm.topology._jax_compat import command_buffer_traits
 from ep_comm.topology.processes import process_allgather
 
 PROTOCOL = 1  # keep in step with kMagic in csrc/exchange_plan.h ("epc1")

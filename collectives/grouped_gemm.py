@@ -55,7 +55,7 @@ ALIGN = 8  # K and N in elements: 16-byte rows for TMA
 MAX_GROUPS = 65535  # the kernel's grids
 
 
-def available() -> str | None:
+def unavailable_reason() -> str | None:
     """None when the CUTLASS grouped GEMM runs here (built, a CUDA backend, a Hopper GPU), else
     why not."""
     reason = bootstrap.load("gemm")[1]
@@ -72,7 +72,7 @@ def available() -> str | None:
 def _ready(api: str) -> None:
     """Raise ``RuntimeError`` naming ``api`` where the kernels do not run (:func:`available`),
     else register their FFI targets."""
-    why = available()
+    why = unavailable_reason()
     if why is not None:
         raise RuntimeError(f"{api}: the CUTLASS grouped GEMM does not run here: {why}")
     bootstrap.register_targets("gemm")

@@ -14,7 +14,7 @@ per-peer metadata (offsets, sizes, shapes, a config tag) is exchanged on the dev
 kernel into pinned mapped host memory, and start polls a flag for it (with a deadline) before it
 issues the payload sends, because ``ncclSend`` takes its byte count from the host. That wait is the
 one host synchronisation per call; XLA's own ragged all-to-all makes the same wait with a blocking
-copy. Its cost is in the benchmark (``python -m ep_comm.bench``, docs/performance.md).
+copy. Its cost is in the benchmark (``python -m ep_comm.benchmarks.dispatch``, docs/performance.md).
 
 Errors: every rank checks every transfer it takes part in against both ends' metadata (sizes that
 agree, rows inside both buffers, same shapes and config tag); ill-formed transfers are skipped by
@@ -42,7 +42,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from ep_comm.collectives import bootstrap
-from ep_comm.topology.jax_compat import axis_size, module_state, named_axis_effects
+from ep_comm.topology._jax_compat import axis_size, module_state, named_axis_effects
 
 TRANSPORTS = ("mpi", "nccl")
 _PLATFORM = {"mpi": "cpu", "nccl": "cuda"}
@@ -245,7 +245,7 @@ def _mpi_chain_previous(module_context):
     """The result of the last mpi exchange lowered into the current block of this module (and its
     aval), or an empty constant when there is none: the next exchange takes it as an operand, so
     XLA runs the block's exchanges in program order in every process. The chain is state of the
-    module being lowered (:func:`ep_comm.topology.jax_compat.module_state`)."""
+    module being lowered (:func:`ep_comm.topology._jax_compat.module_state`)."""
     last = module_state(module_context).get("mpi chain")
     if last is not None:
         value, aval = last

@@ -22,7 +22,7 @@ from ep_comm import plan
 from ep_comm.gemm import grouped_matmul
 from ep_comm.handle import EPHandle, link_bytes
 from ep_comm.layer import MoEOutput, moe_layer, swiglu_experts
-from ep_comm.moe import combine, dispatch
+from ep_comm.dispatch_combine import combine, dispatch
 from ep_comm.overflow import EPInvalidIdsWarning, EPOverflowError, check, checked
 from ep_comm.ragged import (PendingExchange, ragged_all_to_all, ragged_all_to_all_done,
                             ragged_all_to_all_start)

@@ -12,7 +12,7 @@ import numpy as np
 from ep_comm import collectives
 from ep_comm.placement import ExpertPlacement
 from ep_comm.topology import PLANS, WIRE_FORMATS, CostModel, Topology, row_bytes
-from ep_comm.topology.checks import dtype_arg, positive_int
+from ep_comm.topology._checks import dtype_arg, positive_int
 
 OVERFLOW_MODES = ("count", "raise")
 INVALID_IDS_MODES = ("warn", "raise", "ignore")

@@ -35,11 +35,11 @@ import jax.numpy as jnp
 from ep_comm.collectives import grouped_gemm
 from ep_comm.config import EPConfig
 from ep_comm.expand import expert_rows_read
-from ep_comm.gemm import pass_implementations, pass_kernel, resolve
-from ep_comm.moe import combine, dispatch_steps
+from ep_comm.gemm import pass_implementations, pass_kernel, resolve_implementation
+from ep_comm.dispatch_combine import combine, dispatch_steps
 from ep_comm.routes import drive
-from ep_comm.rows import gather_sum
-from ep_comm.topology.jax_compat import cotangent_like, match_vma
+from ep_comm.rows import masked_gather_sum
+from ep_comm.topology._jax_compat import cotangent_like, match_vma
 
 KERNELS = ("cutlass", "reference")
 # moe_layer's implementation for this path: a choice of its own, not "auto"'s, because on an
@@ -153,7 +153,7 @@ def _fused_bwd(kernel, keep_u, forward_config, res, dy_w):
     dw_in = _gathered_drhs(kernel)(rows, du, group_sizes, index=sources)
     # the gather's transpose: each received row sums its pairs' rows (each pair once, k in order)
     first = expert_rows_read(recv_pos, C) < C
-    d_rows = gather_sum(d_expert_x, recv_pos, first, out_dtype=dt)
+    d_rows = masked_gather_sum(d_expert_x, recv_pos, first, out_dtype=dt)
     zeros = lambda a: jnp.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
     # typed as the primals (under shard_map the kernels' results carry no varying axes)
     typed = lambda ct, p: cotangent_like(ct.astype(p.dtype), p)  # noqa: E731
@@ -177,7 +177,7 @@ def fused_moe(x, topk_ids, topk_weights, config: EPConfig, w_in, w_out, kernel: 
     if forward_config not in (0, 2):  # (the 256-wide tiles the SwiGLU epilogue needs)
         raise ValueError(f"fused_moe: forward_config must be 0 or 2, got {forward_config!r}")
     if kernel == "cutlass":  # where it runs, and the dtypes it takes (moe_layer's own words)
-        resolve("cutlass", x.dtype, api="moe_layer")
+        resolve_implementation("cutlass", x.dtype, api="moe_layer")
     (rows, sources), handle = drive(dispatch_steps(x, topk_ids, topk_weights, config,
                                                    materialize=False))
     C = config.expert_rows

@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 
 from ep_comm.collectives import grouped_gemm
-from ep_comm.topology.jax_compat import cotangent_like, match_vma, vma_unchecked
+from ep_comm.topology._jax_compat import cotangent_like, match_vma, vma_unchecked
 
 PASSES = ("forward", "dlhs", "drhs")
 IMPLEMENTATIONS = ("auto", "xla", "tokamax", "cutlass", "megablox")
@@ -128,7 +128,7 @@ def _tokamax_kernel(config: tuple | None):
 
 # megablox (jax.experimental.pallas.ops.tpu.megablox: the Pallas TPU grouped GEMM MaxText runs):
 # tiles (tm, tk, tn) per pass and per (K, N) of that pass's product, picked by a sweep on a TPU v5e
-# (docs/bench/tpu_v5e/megablox/: scripts/tpu_megablox.py). Elsewhere MaxText's default.
+# (docs/bench/tpu_v5e/megablox/: tools/tpu_megablox.py). Elsewhere MaxText's default.
 MEGABLOX_DEFAULT_TILING = (512, 1024, 1024)
 MEGABLOX_TILINGS: dict[tuple[str, int, int], tuple[int, int, int]] = {
     # T=4096, top-8 of 32 on one rank (32768 rows in 32 routed groups), H=2048, I=1024: the up
@@ -172,7 +172,7 @@ def _tpu_too_small(x, w) -> bool:
     return jax.default_backend() == "tpu" and min(*x.shape, *w.shape[1:]) < TPU_MIN_DIM
 
 
-def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
+def resolve_implementation(implementation: str, dtype, api: str = "grouped_matmul") -> str:
     """The implementation ``"auto"`` means here for inputs of ``dtype``; checks the name."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{api}: implementation must be one of {IMPLEMENTATIONS}, "
@@ -180,14 +180,14 @@ def resolve(implementation: str, dtype, api: str = "grouped_matmul") -> str:
     sixteen_bit = _sixteen_bit(dtype)
     if implementation == "auto":
         if jax.default_backend() == "gpu" and sixteen_bit and auto_cutlass():
-            why = grouped_gemm.available()
+            why = grouped_gemm.unavailable_reason()
             if why is None:
                 return "cutlass"  # (each pass's shapes: pass_implementations)
             note_once(f"ep_comm: implementation='auto' does not run ep_comm's CUTLASS grouped "
                       f"GEMM here ({why}); it runs {_fallback(dtype)!r}")
         return _fallback(dtype)
     if implementation == "cutlass":
-        why = grouped_gemm.available()
+        why = grouped_gemm.unavailable_reason()
         if why is not None:
             raise ValueError(f"{api}: implementation='cutlass' does not run here: {why}")
         if not sixteen_bit:
@@ -373,7 +373,7 @@ def pass_implementations(implementation, x, w, out_dtype=None, api: str = "group
         choice = [implementation.get(p, "auto") for p in PASSES]
     else:
         choice = [implementation] * len(PASSES)
-    impls = [resolve(c, x.dtype, api) for c in choice]
+    impls = [resolve_implementation(c, x.dtype, api) for c in choice]
     if "tokamax" in impls and _tpu_too_small(x, w):  # (only when named: auto is xla on TPU)
         raise ValueError(f"{api}: implementation='tokamax' on TPU needs every dimension of x "
                          f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "

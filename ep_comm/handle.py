@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ep_comm.config import EPConfig
-from ep_comm.topology.checks import positive_int
+from ep_comm.topology._checks import positive_int
 from ep_comm.topology.traffic import row_bytes as _traffic_row_bytes
 
 

@@ -14,11 +14,11 @@ from ep_comm.fused import fused_moe, runs_fused
 from ep_comm.gemm import grouped_matmul, pass_implementations
 from ep_comm.handle import EPHandle
 from ep_comm.layout import check_topk_ids
-from ep_comm.moe import check_float, combine, dispatch
+from ep_comm.dispatch_combine import check_float, combine, dispatch
 from ep_comm.pipeline import (chunk_config, chunk_operands, chunk_routing, join_chunks,
                               resolve_chunks, run_pipeline)
 from ep_comm.rounds import first_round, merge_repeats
-from ep_comm.topology.jax_compat import match_vma
+from ep_comm.topology._jax_compat import match_vma
 
 
 @jax.tree_util.register_dataclass
@@ -68,7 +68,7 @@ def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto", *,
     # u's rows past the groups matter only to a weight-gradient kernel that reads them: tokamax's
     # masks rows by multiplying with zero, so they must be finite there; lax.ragged_dot (XLA:CPU
     # and XLA:GPU write zeros anyway; XLA:TPU's never lets them reach the groups:
-    # scripts/ragged_dot_probe.py) and the CUTLASS kernels read only the groups' rows, so the
+    # tools/ragged_dot_probe.py) and the CUTLASS kernels read only the groups' rows, so the
     # zeroing pass is left out for them
     h_like = jax.ShapeDtypeStruct((expert_x.shape[0], w_out.shape[1]), expert_x.dtype)
     drhs = pass_implementations(implementation, h_like, w_out, api="swiglu_experts")[2]

@@ -69,11 +69,11 @@ def dispatch_layout(topk_ids, *, num_experts: int, num_ranks: int) -> DispatchLa
     """
     placement = ExpertPlacement(num_experts, num_ranks)
     ids = check_topk_ids("dispatch_layout", topk_ids).astype(jnp.int32)
-    return layout_of(ids, token_routes(ids, jnp.zeros(ids.shape, jnp.float32), placement),
+    return layout_of(ids, placement_routes(ids, jnp.zeros(ids.shape, jnp.float32), placement),
                      placement)
 
 
-def token_routes(topk_ids, topk_weights, placement: ExpertPlacement):
+def placement_routes(topk_ids, topk_weights, placement: ExpertPlacement):
     """:func:`ep_comm.collectives.row_kernels.token_routes` for a placement (one kernel on GPUs)."""
     return row_kernels.token_routes(topk_ids, topk_weights, num_experts=placement.num_experts,
                                     num_ranks=placement.num_ranks)

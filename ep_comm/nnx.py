@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ep_comm.config import EPConfig
 from ep_comm.layer import moe_layer
-from ep_comm.topology.checks import positive_int
+from ep_comm.topology._checks import positive_int
 
 
 def route(x, router, topk: int, normalize: bool = True):

@@ -44,7 +44,7 @@ from jax.experimental import io_callback
 from ep_comm.config import EPConfig
 from ep_comm.handle import EPHandle
 from ep_comm.routes import gather_counts
-from ep_comm.topology.jax_compat import is_tracer, match_vma
+from ep_comm.topology._jax_compat import is_tracer, match_vma
 
 
 class EPOverflowError(RuntimeError):

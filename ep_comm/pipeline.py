@@ -72,7 +72,7 @@ from ep_comm import topology
 from ep_comm import plan as plans
 from ep_comm import rounds
 from ep_comm.config import EPConfig
-from ep_comm.moe import combine, combine_steps, dispatch, dispatch_steps
+from ep_comm.dispatch_combine import combine, combine_steps, dispatch, dispatch_steps
 from ep_comm.ragged import ragged_all_to_all_done
 from ep_comm.routes import is_local
 
@@ -184,7 +184,7 @@ def resolve_chunks(cfg: EPConfig, hidden: int, dtype, flops_per_row: float | Non
         one = chunk_config(cfg, c)
         if by_experts:  # each token's pairs spread over the chunks
             one = dataclasses.replace(one, topk=-(-K // c))
-        kind = plans.resolve(one, hidden, dtype, api).kind
+        kind = plans.resolve_plan(one, hidden, dtype, api).kind
         if is_local(one, kind):
             ex = 0.0
         else:

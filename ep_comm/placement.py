@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ep_comm.topology.checks import positive_int
+from ep_comm.topology._checks import positive_int
 
 
 @dataclasses.dataclass(frozen=True)

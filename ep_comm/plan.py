@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from ep_comm import topology as topo_mod
-from ep_comm.topology.jax_compat import axis_size
+from ep_comm.topology._jax_compat import axis_size
 from ep_comm.config import EPConfig
 
 
@@ -92,7 +92,7 @@ def _stages(cfg: EPConfig, kind: str, topo: topo_mod.Topology) -> tuple[Stage, .
     return (Stage(cfg.axis_name, inter), Stage(cfg.axis_name, intra))
 
 
-def resolve(cfg: EPConfig, hidden: int, dtype, api: str = "dispatch") -> Plan:
+def resolve_plan(cfg: EPConfig, hidden: int, dtype, api: str = "dispatch") -> Plan:
     """The plan ``cfg`` runs for tokens of ``hidden`` elements of ``dtype`` (inside shard_map)."""
     kind = cfg.plan
     topo = machine(cfg, api, need=kind != "flat") or topo_mod.simulated(1, cfg.num_ranks)

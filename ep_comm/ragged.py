@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ep_comm import collectives
-from ep_comm.topology.jax_compat import axis_size
+from ep_comm.topology._jax_compat import axis_size
 
 _API = "ragged_all_to_all"
 
@@ -111,7 +111,7 @@ def _validate(operand, output, input_offsets, send_sizes, output_offsets, recv_s
         raise ValueError(f"{api}: input_offsets, send_sizes, output_offsets and recv_sizes must "
                          f"have the same length, got "
                          f"{', '.join(str(tuple(a.shape)) for a in index_arrays)}")
-    name, transport = collectives.resolve(backend, caller=api)
+    name, transport = collectives.resolve_transport(backend, caller=api)
     axis_n = axis_size(axis_name, api)
     groups = canonical_groups(axis_index_groups, axis_n, api)
     group_n = len(groups[0]) if groups else axis_n

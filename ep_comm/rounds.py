@@ -37,7 +37,7 @@ from jax import lax
 from ep_comm.config import EPConfig
 from ep_comm.layout import repeats_earlier
 from ep_comm.routes import exclusive_cumsum, gather_counts
-from ep_comm.topology.jax_compat import match_vma
+from ep_comm.topology._jax_compat import match_vma
 
 
 def merge_repeats(ids, weights):

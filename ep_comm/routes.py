@@ -4,8 +4,8 @@ A plan is a sequence of legs (:class:`Leg`: one rank's view of one ragged exchan
 reverse). The flat plan has one leg (each token once to every rank holding one of its experts); the
 hierarchical plan two (each token once per destination node, then forwarded inside the node).
 Both pack their send buffers with :func:`pack` and :func:`send_buffer` and move rows with
-:class:`Exchange`; each returns a :class:`Route`. Combine runs the legs backwards
-(``Exchange(..., reverse=True)``). Routes are step generators (:func:`drive`): they yield their
+:class:`ExchangeCall`; each returns a :class:`Route`. Combine runs the legs backwards
+(``ExchangeCall(..., reverse=True)``). Routes are step generators (:func:`drive`): they yield their
 exchanges, so that a driver can run them at once or overlap them with other work
 (:mod:`ep_comm.pipeline`).
 """
@@ -23,7 +23,7 @@ from ep_comm.ragged import PendingExchange, _ragged_all_to_all, _ragged_all_to_a
 from ep_comm import collectives
 from ep_comm.collectives import barrier, row_kernels
 from ep_comm.rows import gather_rows
-from ep_comm.topology.jax_compat import match_vma
+from ep_comm.topology._jax_compat import match_vma
 from ep_comm.topology.machine import LINK_CLASSES
 from ep_comm.topology.traffic import link_matrix
 
@@ -136,7 +136,7 @@ def send_buffer(x, route, item, dest, row, slot_dest, K):
 
 
 @dataclasses.dataclass(frozen=True)
-class Exchange:
+class ExchangeCall:
     """One ragged exchange a step function (a generator: :func:`drive`) asks its driver to run:
     one leg of ``stage`` (or its reverse) into a fresh buffer of ``rows`` rows."""
 
@@ -179,7 +179,7 @@ class Exchange:
 
 def drive(steps):
     """Run a step generator to its end and return its value. A step generator yields tuples of
-    :class:`Exchange` and is sent back their results (a tuple, in order); here each is run at
+    :class:`ExchangeCall` and is sent back their results (a tuple, in order); here each is run at
     once (differentiable). :mod:`ep_comm.pipeline` drives the same generators with the
     exchanges started and finished around other work."""
     try:
@@ -196,7 +196,7 @@ def gather_counts(cfg, v, what):
     it joins that transport's chain of exchanges and its timeout; otherwise it is an XLA
     collective, behind :mod:`ep_comm.collectives.barrier` between CPU processes (gloo has no timeout)."""
     v = v.astype(jnp.int32)
-    if collectives.resolve(cfg.backend, caller=what)[0] != "mpi":
+    if collectives.resolve_transport(cfg.backend, caller=what)[0] != "mpi":
         return barrier.guard(f"{what} (counts)", cfg.axis_name,
                              lambda a: jax.lax.all_gather(a, cfg.axis_name), v)
     n, m = cfg.num_ranks, v.shape[0]
@@ -213,14 +213,14 @@ def gather_counts(cfg, v, what):
 def _move(cfg, stage, leg, x, route, rows, segment_rows, what):
     """Dispatch's two exchanges of one leg (token rows, then their routing as float32), yielded
     together; returns what they delivered."""
-    return (yield (Exchange(cfg, stage, leg, x, rows, segment_rows, f"dispatch ({what}tokens)"),
-                   Exchange(cfg, stage, leg, route, rows, segment_rows,
+    return (yield (ExchangeCall(cfg, stage, leg, x, rows, segment_rows, f"dispatch ({what}tokens)"),
+                   ExchangeCall(cfg, stage, leg, route, rows, segment_rows,
                             f"dispatch ({what}routing)")))
 
 
 def flat_route(cfg, plan, x, route, dest, in_rank, first, tok, kept, me):
     """Each token once to every rank holding one of its experts (one leg). ``in_rank``,
-    ``first``: the token routes' (``ep_comm.layout.token_routes``). A step generator
+    ``first``: the token routes' (``ep_comm.layout.placement_routes``). A step generator
     (:func:`drive`) returning the :class:`Route`."""
     T, K, n = cfg.tokens_per_rank, cfg.topk, cfg.num_ranks
     R = cfg.recv_token_rows

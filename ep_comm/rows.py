@@ -10,8 +10,8 @@ so the two ops here carry a custom VJP whose transpose is a gather over that inv
 of rows, deterministic (a fixed summation order), float32 accumulation.
 
 - :func:`gather_rows`: ``out[i] = table[idx[i]]`` with the inverse ``inv`` given (``inv[r]`` lists
-  the ``i`` reading row ``r``); its transpose is ``gather_sum`` over ``inv``.
-- :func:`gather_sum`: ``out[n] = sum_k ok[n, k] * w[n, k] * table[idx[n, k]]`` where each table row is
+  the ``i`` reading row ``r``); its transpose is ``masked_gather_sum`` over ``inv``.
+- :func:`masked_gather_sum`: ``out[n] = sum_k ok[n, k] * w[n, k] * table[idx[n, k]]`` where each table row is
   read by at most one ``n`` (any number of its ``k``); its transpose in ``table`` is one gather of
   ``d_out`` rows scaled per row (the inverse found by a scatter of scalars, not of rows).
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ep_comm.collectives import row_kernels
-from ep_comm.topology.jax_compat import cotangent_like, match_vma
+from ep_comm.topology._jax_compat import cotangent_like
 
 
 def _valid(idx, size):
@@ -77,7 +77,7 @@ def _gather_rows_fwd(table, idx, inv):
 
 def _gather_rows_bwd(res, d_out):
     idx, inv, like = res
-    d_table = gather_sum(d_out, inv, _valid(inv, d_out.shape[0]), out_dtype=like.dtype)
+    d_table = masked_gather_sum(d_out, inv, _valid(inv, d_out.shape[0]), out_dtype=like.dtype)
     return cotangent_like(d_table, like), _int_zero(idx), _int_zero(inv)
 
 
@@ -88,7 +88,7 @@ def _int_zero(a):
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
-def gather_sum(table, idx, ok, weights=None, out_dtype=jnp.float32):
+def masked_gather_sum(table, idx, ok, weights=None, out_dtype=jnp.float32):
     """``sum_k ok[:, k] * weights[:, k] * table[idx[:, k]]`` in float32, adding k in order (a
     fixed order: deterministic), returned as ``out_dtype``. ``idx``/``ok``/``weights``:
     ``(N, K)``; masked entries may hold any index and contribute exactly zero, even where the table
@@ -100,27 +100,27 @@ def gather_sum(table, idx, ok, weights=None, out_dtype=jnp.float32):
     """
     out_dtype = jnp.dtype(out_dtype)
     if weights is None:
-        return _gather_sum(table, idx, ok, jnp.ones(idx.shape, jnp.float32), False, out_dtype)
-    return _gather_sum(table, idx, ok, weights, True, out_dtype)
+        return _masked_gather_sum(table, idx, ok, jnp.ones(idx.shape, jnp.float32), False, out_dtype)
+    return _masked_gather_sum(table, idx, ok, weights, True, out_dtype)
 
 
-def _gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype):
+def _masked_gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype):
     # masked slots stay exactly zero whatever their weight: the kernel skips them
     return row_kernels.gather_sum(table, jnp.where(ok, idx, -1),
                                   weights if weighted else None, out_dtype=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _gather_sum(table, idx, ok, weights, weighted, out_dtype):
-    return _gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype)
+def _masked_gather_sum(table, idx, ok, weights, weighted, out_dtype):
+    return _masked_gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype)
 
 
-def _gather_sum_fwd(table, idx, ok, weights, weighted, out_dtype):
-    return (_gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype),
+def _masked_gather_sum_fwd(table, idx, ok, weights, weighted, out_dtype):
+    return (_masked_gather_sum_fwd_impl(table, idx, ok, weights, weighted, out_dtype),
             (table, idx, ok, weights))
 
 
-def _gather_sum_bwd(weighted, out_dtype, res, d_out):
+def _masked_gather_sum_bwd(weighted, out_dtype, res, d_out):
     table, idx, ok, weights = res
     Nt, (N, K) = table.shape[0], idx.shape
     i32 = jnp.int32
@@ -147,4 +147,4 @@ def _gather_sum_bwd(weighted, out_dtype, res, d_out):
             cotangent_like(d_w, weights))
 
 
-_gather_sum.defvjp(_gather_sum_fwd, _gather_sum_bwd)
+_masked_gather_sum.defvjp(_masked_gather_sum_fwd, _masked_gather_sum_bwd)

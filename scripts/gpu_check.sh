@@ -13,7 +13,7 @@
 # builds it without a GPU), GEMM_CHECKS=0 the checks --
 # and `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
-# (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- scripts/lifecycle.py on NCCL -- run when
+# (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- tests/lifecycle.py on NCCL -- run when
 # named); nvidia-ml-py is installed from wheels/ when the image
 # lacks it. Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
@@ -56,7 +56,7 @@ fi
 step tests && echo "== tests on $("$PY" -c 'import jax; print(jax.device_count())') GPU(s)" && \
 "$PY" -m pytest -q -p no:cacheprovider --timeout 600 ${EP_COMM_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/tests.txt"
 step exchange && echo "== exchange bench" && \
-"$PY" -m ep_comm.collectives.bench --rows 4096,32768 --hidden 7168 --overlap --profile "$OUT/profile" \
+"$PY" -m ep_comm.benchmarks.exchange --rows 4096,32768 --hidden 7168 --overlap --profile "$OUT/profile" \
   --json "$OUT/exchange.json" 2>&1 | tee "$OUT/exchange.txt"
 if step sanitize; then
   echo "== compute-sanitizer memcheck of the row kernels (malformed indices included)"
@@ -73,7 +73,7 @@ fi
 if step dispatch; then
   echo "== dispatch/combine bench (copy = x a device copy of the compulsory bytes; kern from a trace)"
   for T in ${BENCH_TOKENS:-4096 128}; do
-    "$PY" -m ep_comm.bench --tokens "$T" --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
+    "$PY" -m ep_comm.benchmarks.dispatch --tokens "$T" --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
       --routing uniform --iters 20 --wire-formats ${WIRE_FORMATS:-none,e4m3,mxfp8} \
       --backends "${BENCH_BACKENDS:-nccl,portable}" --profile "/tmp/ep_bench_profile_T$T" \
       --json "$OUT/bench_T$T.json" 2>&1 | tee "$OUT/bench_T$T.txt"
@@ -87,7 +87,7 @@ if step layer; then
   "$PY" -c "from ep_comm import gemm; print('tokamax:', gemm.tokamax_available())"
   [ "${LAYER_TESTS:-1}" = 0 ] || "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py 2>&1 \
     | tail -5 | tee "$OUT/layer_tests.txt"
-  "$PY" -m ep_comm.layer_bench --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
+  "$PY" -m ep_comm.benchmarks.layer --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 \
     --topk 8 ${LAYER_ARGS:---tune} --profile /tmp/layer_profile --json "$OUT/layer.json" 2>&1 \
     | tee "$OUT/layer.txt"
 fi
@@ -109,13 +109,13 @@ if step gemm; then
     echo "built in $(( $(date +%s) - t0 )) s"
     mkdir -p "$OUT/prebuilt" && cp collectives/_ep_gemm*.so "$OUT/prebuilt/"
   fi
-  "$PY" -c "from collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.available() or 'runs here')"
+  "$PY" -c "from ep_comm.collectives import grouped_gemm as g; print('cutlass grouped GEMM:', g.unavailable_reason() or 'runs here')"
   # GEMM_CHECKS=0: no selftest, probe or tests (a timing run with a module already checked)
   [ "${GEMM_CHECKS:-1}" = 0 ] || {
     timeout "${GEMM_SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
       "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
       2>&1 | tail -8 | tee "$OUT/gemm_sanitizer.txt"
-    timeout "${FUSED_TIMEOUT:-120}" "$PY" scripts/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
+    timeout "${FUSED_TIMEOUT:-120}" "$PY" tools/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
       | tail -30 | tee "$OUT/fused_gemm.txt"
     timeout "${GEMM_TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_layer.py \
       -k "${GEMM_TESTS:-cutlass or grouped_gemm or fused or inside_shard_map}" -rf 2>&1 \
@@ -129,7 +129,7 @@ if step gemm; then
       finegrained) args="--tokens 16384 --hidden 2048 --intermediate 768 --experts 128 --topk 8" ;;
       *) echo "unknown GEMM_SHAPES entry: $shape"; continue ;;
     esac
-    timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.layer_bench $args \
+    timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.benchmarks.layer $args \
       --implementation "${GEMM_IMPLS:-cutlass,cutlass-fused,cutlass-keep-u,tokamax}" \
       ${GEMM_ARGS:---no-xla} \
       --json "$OUT/layer_cutlass_$shape.json" 2>&1 | tee "$OUT/layer_cutlass_$shape.txt"
@@ -144,21 +144,21 @@ if step overlap; then
   # width, then the chunk counts; every count as chunks of tokens and of experts
   for run in "4 2048 1,2,4" "0 2048 1,4,auto" "4 0 1,4"; do
     read -r B S CH <<< "$run"; tag="overlap_shared${S}_blocks$B"
-    EP_COMM_SELF_COPY_BLOCKS=$B "$PY" -m ep_comm.layer_bench --parts overlap --tokens 4096 \
+    EP_COMM_SELF_COPY_BLOCKS=$B "$PY" -m ep_comm.benchmarks.layer --parts overlap --tokens 4096 \
       --hidden 7168 --intermediate 2048 --experts 32 --topk 8 --iters 10 --warmup 2 --chunks "$CH" \
       --chunk-by tokens,experts --shared-intermediate "$S" --profile "/tmp/$tag" \
       --json "$OUT/$tag.json" 2>&1 | tee "$OUT/$tag.txt"
-    "$PY" scripts/kernel_summary.py /tmp/"$tag"/* > "$OUT/${tag}_kernels.txt" 2>&1
+    "$PY" tools/kernel_summary.py /tmp/"$tag"/* > "$OUT/${tag}_kernels.txt" 2>&1
   done
 fi
 if step lifecycle; then
   echo "== lifecycle: bootstrap -> exchange -> finalize cycles (NCCL), GPU memory against before"
-  "$PY" scripts/lifecycle.py --backend nccl --cycles "${LIFECYCLE_CYCLES:-50}" \
+  "$PY" tests/lifecycle.py --backend nccl --cycles "${LIFECYCLE_CYCLES:-50}" \
     --json "$OUT/lifecycle_gpu.json" 2>&1 | tail -40 | tee "$OUT/lifecycle_gpu.txt"
 fi
 if step topology; then
   echo "== topology: discovery (NVML) and the cost model's self link calibrated on this GPU"
   "$PY" -m ep_comm.topology --save "$OUT/topology.json" 2>&1 | tee "$OUT/topology.txt"
-  "$PY" -m ep_comm.collectives.bench --rows 1024,4096,16384,32768 --hidden 7168 --calibrate \
+  "$PY" -m ep_comm.benchmarks.exchange --rows 1024,4096,16384,32768 --hidden 7168 --calibrate \
     --json "$OUT/calibration.json" 2>&1 | tee "$OUT/calibration.txt"
 fi

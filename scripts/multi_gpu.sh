@@ -22,8 +22,8 @@ if [ ! -e collectives/_ep_nccl*.so ]; then
     && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
 fi
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
-BENCH_X=(-m ep_comm.collectives.bench --rows "${EP_COMM_BENCH_ROWS:-4096,32768}" --hidden 7168)
-BENCH_D=(-m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 --routing "${EP_COMM_BENCH_ROUTING:-uniform,skewed}")
+BENCH_X=(-m ep_comm.benchmarks.exchange --rows "${EP_COMM_BENCH_ROWS:-4096,32768}" --hidden 7168)
+BENCH_D=(-m ep_comm.benchmarks.dispatch --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 --routing "${EP_COMM_BENCH_ROUTING:-uniform,skewed}")
 visible=$(seq -s, 0 $((N - 1)))
 
 echo "== A. one process, $N GPU(s)"

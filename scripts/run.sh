@@ -24,16 +24,18 @@ need_mpi() {
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
 }
 
-# The install's inputs: the build configuration, the native sources, the toolkits found and the
-# venv's Python. A run whose inputs match the last install's, with the extras it installed, skips
-# the set-up (Python sources are live in the editable install; `scripts/run.sh setup` or
-# EP_COMM_REINSTALL=1 forces it).
+# The install's inputs: the build configuration, the native sources, the toolkits found, the
+# venv's Python and the names of the Python modules. A run whose inputs match the last install's,
+# with the extras it installed, skips the set-up (Python sources are live in the editable
+# install; `scripts/run.sh setup` or EP_COMM_REINSTALL=1 forces it).
 install_key() {
   {
     "$VENV/bin/python" -V
     command -v nvcc mpicc || true
     cat pyproject.toml CMakeLists.txt
     find collectives/csrc -type f | LC_ALL=C sort | xargs cat
+    # the editable install maps each module by name: a module added, moved or removed re-installs
+    find ep_comm collectives topology -name '*.py' | LC_ALL=C sort
   } 2>/dev/null | sha256sum | cut -c1-16
 }
 
@@ -105,7 +107,7 @@ case "$what" in
     ;;
   bench)
     setup examples
-    exec "$VENV/bin/python" -m ep_comm.bench "$@"
+    exec "$VENV/bin/python" -m ep_comm.benchmarks.dispatch "$@"
     ;;
   setup)
     need_mpi

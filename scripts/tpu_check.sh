@@ -2,9 +2,9 @@
 # Everything one TPU chip can show, in one go (the device tool's tpu-v5e kind: Python 3.11, jax
 # 0.10.2, no sockets, one program on the chip at a time; nothing installed beyond jax):
 #   info     the platform, ep_comm.collectives.available() and what backend="auto" takes there;
-#   bench    ep_comm.bench at the issue's shape (T=4096, top-8 of 32, H=2048, bf16) and at a
+#   bench    ep_comm.benchmarks.dispatch at the issue's shape (T=4096, top-8 of 32, H=2048, bf16) and at a
 #            DeepSeek-V3-like rank (H=7168, top-8 of 256), plain JAX's permute/unpermute beside;
-#   layer    ep_comm.layer_bench's layer at T=4096, H=2048, I=1024, top-8 of 32, and at a
+#   layer    ep_comm.benchmarks.layer's layer at T=4096, H=2048, I=1024, top-8 of 32, and at a
 #            DeepSeek-V3-like rank (H=7168, I=2048), with lax.ragged_dot, moe_layer beside the
 #            plain JAX layer with the same GEMM;
 #   tokamax  (when named, and .whl-tpu/ holds tokamax and its wheels: README's recipe with
@@ -29,16 +29,16 @@ print('available:', collectives.available())
 print('auto:', collectives.auto_choice())" 2>&1 | quiet | tee "$OUT/tpu.txt"
 if step bench; then
   echo "== dispatch/combine bench, plain JAX beside"
-  "$PY" -m ep_comm.bench --tokens 4096 --hidden 2048 --topk 8 --experts 32 --dtype bfloat16 \
+  "$PY" -m ep_comm.benchmarks.dispatch --tokens 4096 --hidden 2048 --topk 8 --experts 32 --dtype bfloat16 \
     --routing uniform --iters 20 --round-trip --capacity-factors none --backends xla \
     --json "$OUT/bench_T4096_H2048.json" 2>&1 | quiet | tee "$OUT/bench_T4096_H2048.txt"
-  "$PY" -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
+  "$PY" -m ep_comm.benchmarks.dispatch --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
     --routing uniform --iters 20 --round-trip --capacity-factors none --backends xla \
     --json "$OUT/bench_T4096_H7168.json" 2>&1 | quiet | tee "$OUT/bench_T4096_H7168.txt"
 fi
 layer() {  # $1: a name, then layer_bench's arguments
   local name="$1"; shift
-  "$PY" -m ep_comm.layer_bench --parts layer --tokens 4096 --hidden 2048 --intermediate 1024 \
+  "$PY" -m ep_comm.benchmarks.layer --parts layer --tokens 4096 --hidden 2048 --intermediate 1024 \
     --experts 32 --topk 8 --dtype bfloat16 --iters 10 "$@" --json "$OUT/layer_$name.json" \
     2>&1 | quiet | tee "$OUT/layer_$name.txt"
 }

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ep_comm.benchmarks.reference import dense_swiglu_moe  # noqa: F401 (the tests' dense layer)
+
 
 def routing(rng, kind, n, T, K, E):
     """Global ``(n*T, K)`` expert ids for a routing pattern; -1 means no expert."""
@@ -99,29 +101,6 @@ def dense_moe(x, ids, w, W):
         out = out + jnp.where(ids[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) * \
             jnp.einsum("th,thf->tf", x, W[e])
     return out
-
-
-def dense_swiglu_moe(x, ids, w, w_in, w_out, shared_w_in=None, shared_w_out=None):
-    """The MoE layer on one device, densely (jax, differentiable, any float dtype):
-    ``sum_k w[:, k] * swiglu(x @ w_in[e]) @ w_out[e]`` over the slots with ``ids >= 0``, plus the
-    shared expert. Run it under ``jax.enable_x64()`` on float64 inputs for a float64 reference."""
-    import jax
-    import jax.numpy as jnp
-
-    def swiglu_mlp(u, w_o):
-        inter = w_o.shape[-2]
-        return jax.nn.silu(u[..., :inter]) * u[..., inter:]
-
-    E = w_in.shape[0]
-    y = 0.0
-    for k in range(ids.shape[1]):
-        e = jnp.clip(ids[:, k], 0, E - 1)
-        a = swiglu_mlp(jnp.einsum("th,thf->tf", x, w_in[e]), w_out)
-        y = y + jnp.where(ids[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) * \
-            jnp.einsum("tf,tfh->th", a, w_out[e])
-    if shared_w_in is not None:
-        y = y + swiglu_mlp(x @ shared_w_in, shared_w_out) @ shared_w_out
-    return y
 
 
 def check_nnx_against_dense(module, x, cot, y, grads, topk):

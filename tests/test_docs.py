@@ -52,7 +52,7 @@ def test_example_runs(code):
 
 def test_plots_are_drawn_from_the_committed_json(tmp_path):
     pytest.importorskip("matplotlib")
-    plots = _load("scripts/docs_plots.py")
+    plots = _load("tools/docs_plots.py")
     written = plots.main(str(tmp_path))
     assert [pathlib.Path(p).name for p in written] == list(plots.PLOTS)
     for p in written:  # and the committed ones the pages show exist
@@ -108,7 +108,8 @@ def test_layout_names_every_module():
 # the source tree happens to be on sys.path (an editable install puts it there) and not when
 # installed.
 TOP_LEVEL_USE = re.compile(
-    r"^\s*(?:from|import) (?:collectives|topology)\b|-m\W+(?:collectives|topology)\b", re.M)
+    r"(?:^|[;\"'])\s*(?:from|import) (?:collectives|topology)\b|-m\W+(?:collectives|topology)\b",
+    re.M)
 
 
 def test_no_top_level_collectives_or_topology():
@@ -121,3 +122,14 @@ def test_no_top_level_collectives_or_topology():
         if path.suffix in {".py", ".sh", ".md", ".toml"} and not name.startswith("docs/bench/"):
             found += [f"{name}: {m.group(0).strip()}" for m in TOP_LEVEL_USE.finditer(path.read_text())]
     assert not found, f"top-level names that exist only in the source tree: {found}"
+
+
+def test_every_tool_is_listed_and_cited():
+    """Each probe under tools/ has a row in tools/README.md and is cited by a page of the docs
+    (an uncited probe is deleted, not kept)."""
+    listed = (ROOT / "tools" / "README.md").read_text()
+    pages = "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    unlisted = [p.name for p in (ROOT / "tools").glob("*.py") if f"`{p.name}`" not in listed]
+    uncited = [p.name for p in (ROOT / "tools").glob("*.py") if f"tools/{p.name}" not in pages]
+    assert not unlisted and not uncited, (f"tools/README.md leaves out {unlisted}; no docs page "
+                                          f"cites {uncited}")

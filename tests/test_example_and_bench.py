@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from ep_comm import topology
-from ep_comm import bench
+from ep_comm.benchmarks import dispatch as dispatch_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import moe_transformer  # noqa: E402
@@ -71,9 +71,9 @@ def test_example_rejects_indivisible_batch(n):
 
 @pytest.mark.multiprocess
 def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
-    bc = bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=8 * n,
+    bc = dispatch_bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=8 * n,
                            dtype="float32", routing="skewed")
-    report = bench.run(bc, warmup=1, iters=2)
+    report = dispatch_bench.run(bc, warmup=1, iters=2)
     rows = {(r["impl"], r["phase"]): r for r in report["results"]}
     for phase in ("dispatch", "combine"):
         r = rows[("ep_comm/portable", phase)]
@@ -82,15 +82,15 @@ def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
     if n > 1:  # the same exchange in plain JAX: ep_comm's rows, group by group, and its sums
         for phase in ("dispatch", "combine"):
             assert rows[("plain JAX EP", phase)]["wrong"] == 0
-        assert "x plain JAX EP's dispatch (the same exchange in plain JAX)" in bench.table(report)
+        assert "x plain JAX EP's dispatch (the same exchange in plain JAX)" in dispatch_bench.table(report)
         for phase in ("dispatch", "combine"):  # also timed in turn with plain JAX EP's
             assert rows[("ep_comm/portable", phase)]["vs_plain_ep_interleaved"] > 0
-        assert "x timed in turn)" in bench.table(report)
+        assert "x timed in turn)" in dispatch_bench.table(report)
     cap = rows[("capacity cf=1.0", "round trip")]
     assert cap["dropped"] > 0 and cap["wrong"] > 0  # skewed routing overflows a fixed capacity
     ceiling = rows[("lax.all_to_all", "T rows")]
     assert ceiling["payload"] == 16 * 32 * 4 and ceiling["time_us"] > 0
-    text = bench.table(report)
+    text = dispatch_bench.table(report)
     assert "ep_comm/portable" in text and "capacity cf=1.25" in text
     assert report["hardware"].startswith(f"{jax.device_count()} x ")
 
@@ -98,9 +98,9 @@ def test_bench_reports_zero_drops_for_ep_comm_and_drops_for_capacity(n):
 def test_bench_compares_flat_and_hierarchical(n):
     if n < 2 or n % 2:
         pytest.skip("needs an even device count")
-    bc = bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=8 * n,
+    bc = dispatch_bench.BenchConfig(tokens_per_rank=16, hidden=32, topk=4, num_experts=8 * n,
                            dtype="float32", routing="uniform")
-    report = bench.run(bc, warmup=1, iters=2, capacity_factors=(), backends=["portable"],
+    report = dispatch_bench.run(bc, warmup=1, iters=2, capacity_factors=(), backends=["portable"],
                        topo=topology.simulated(2, n // 2), plans=("flat", "hierarchical"))
     rows = {(r["plan"], r["phase"]): r for r in report["results"] if r["impl"] != "lax.all_to_all"}
     for phase in ("dispatch", "combine"):
@@ -109,7 +109,7 @@ def test_bench_compares_flat_and_hierarchical(n):
         assert 0 < hier["network_bytes_total"] <= flat["network_bytes_total"]
         assert hier["predicted_us"] > 0 and flat["predicted_us"] > 0
     assert report["topology"] == f"2x{n // 2} (simulated)"
-    assert "portable dispatch: hierarchical/flat time" in bench.table(report)
+    assert "portable dispatch: hierarchical/flat time" in dispatch_bench.table(report)
 
 
 def test_example_deepseek_preset_runs_shrunk(n, capsys):
@@ -123,7 +123,7 @@ def test_example_deepseek_preset_runs_shrunk(n, capsys):
 
 
 def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
-    from ep_comm import layer_bench
+    from ep_comm.benchmarks import layer as layer_bench
 
     with pytest.raises(SystemExit):
         layer_bench.main(["--parts", "layer,gemms"])
@@ -157,7 +157,7 @@ def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
 
 
 def test_emit_saves_a_report_in_progress_and_replaces_it_when_done(tmp_path, capsys):
-    from ep_comm.collectives.timing import emit
+    from ep_comm.benchmarks.timing import emit
 
     path = tmp_path / "r.json"
     first, so_far, whole = dict(kind="a"), dict(kind="b", rows=[1], partial=True), \
@@ -177,7 +177,7 @@ def test_emit_saves_a_report_in_progress_and_replaces_it_when_done(tmp_path, cap
 
 
 def test_layer_bench_rounds_bound_the_buffer_and_drop_nothing(n):
-    from ep_comm import layer_bench
+    from ep_comm.benchmarks import layer as layer_bench
 
     (rep,) = layer_bench.main(["--parts", "rounds", "--tokens", "8", "--hidden", "8",
                                "--intermediate", "4", "--topk", "2", "--experts", str(4 * n),

@@ -1,21 +1,16 @@
-"""Fault injection, bounded (the full matrix is ``python scripts/faults.py``): under ``mpirun`` with
+"""Fault injection, bounded (the full matrix is ``python tests/faults.py``): under ``mpirun`` with
 the mpi transport, a rank that makes one call fewer and a rank that stalls between the metadata and
 the payload leave the survivors with a diagnostic naming the operation and the peer within the
 timeout (plus start-up), never a hang; with the portable transport, a rank that makes one call
 fewer leaves them the barrier's diagnostic (``ep_comm.collectives.barrier``)."""
 
-import importlib.util
 import os
 import shutil
 
+import faults  # tests/faults.py: the fault matrix's runner, beside this test
 import pytest
 
 from ep_comm import collectives
-HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("faults", os.path.join(HERE, "..", "scripts",
-                                                                       "faults.py"))
-faults = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(faults)
 
 needs_mpi = pytest.mark.skipif(
     shutil.which("mpirun") is None or collectives.available("cpu")["mpi"] is not None

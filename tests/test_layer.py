@@ -20,8 +20,8 @@ from moe_reference import check_nnx_against_dense, dense_swiglu_moe, routing
 pytestmark = pytest.mark.layer  # under mpirun: the 2 x 2 phase only (pyproject.toml)
 
 T, K, H, I, I_SHARED = 16, 4, 8, 6, 5
-CUTLASS = pytest.mark.skipif(grouped_gemm.available() is not None,
-                             reason=f"the CUTLASS grouped GEMM: {grouped_gemm.available()}")
+CUTLASS = pytest.mark.skipif(grouped_gemm.unavailable_reason() is not None,
+                             reason=f"the CUTLASS grouped GEMM: {grouped_gemm.unavailable_reason()}")
 TOKAMAX = pytest.mark.skipif(
     not (jax.default_backend() == "gpu" and gemm.tokamax_available()),
     reason="tokamax's GPU kernels need a CUDA backend and tokamax (pip install 'ep_comm[gpu]')")
@@ -160,8 +160,8 @@ def test_grouped_matmul_on_tpu_auto_is_ragged_dot_and_tokamax_from_128_up(monkey
     x = jnp.ones((6, 4), jnp.bfloat16)
     w = jnp.ones((3, 4, 5), jnp.bfloat16)
     gs = jnp.array([1, 2, 3], jnp.int32)
-    assert gemm.resolve("auto", jnp.bfloat16) == "xla"
-    assert gemm.resolve("tokamax", jnp.bfloat16) == "tokamax"
+    assert gemm.resolve_implementation("auto", jnp.bfloat16) == "xla"
+    assert gemm.resolve_implementation("tokamax", jnp.bfloat16) == "tokamax"
     want = jax.lax.ragged_dot(x, w, gs)
     np.testing.assert_array_equal(np.asarray(ep_comm.grouped_matmul(x, w, gs), np.float32),
                                   np.asarray(want, np.float32))
@@ -205,10 +205,10 @@ def test_grouped_matmul_rejects_bad_input():
             "got float32")
     _raises(lambda: gmm(x, w, gs, zero_past_groups=1),
             "grouped_matmul: zero_past_groups must be a bool, got int")
-    if grouped_gemm.available() is not None:
+    if grouped_gemm.unavailable_reason() is not None:
         _raises(lambda: gmm(x, w, gs, implementation="cutlass"),
                 "grouped_matmul: implementation='cutlass' does not run here: "
-                + grouped_gemm.available())
+                + grouped_gemm.unavailable_reason())
     else:
         _raises(lambda: gmm(x, w, gs, implementation="cutlass"),
                 "grouped_matmul: implementation='cutlass' takes bfloat16 or float16 inputs, "
@@ -324,10 +324,10 @@ def test_grouped_gemm_rules():
         grouped_gemm.grouped_gemm("drhs", jnp.zeros((6, 16), jnp.bfloat16),
                                   jnp.zeros((6, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32),
                                   config=5)
-    if grouped_gemm.available() is not None:
+    if grouped_gemm.unavailable_reason() is not None:
         with pytest.raises(RuntimeError, match=re.escape(
                 "grouped_gemm: the CUTLASS grouped GEMM does not run here: "
-                + grouped_gemm.available())):
+                + grouped_gemm.unavailable_reason())):
             grouped_gemm.grouped_gemm("forward", jnp.zeros((6, 16), jnp.bfloat16),
                                       jnp.zeros((3, 16, 8), jnp.bfloat16), jnp.zeros(3, jnp.int32))
 
@@ -501,10 +501,10 @@ def test_fused_forward_rules():
             "fused_forward: the kernel takes bfloat16 or float16 operands of one dtype, got "
             "float32 and bfloat16")):
         grouped_gemm.fused_forward(xb.astype(jnp.float32), wb, gs)
-    if grouped_gemm.available() is not None:
+    if grouped_gemm.unavailable_reason() is not None:
         with pytest.raises(RuntimeError, match=re.escape(
                 "fused_forward: the CUTLASS grouped GEMM does not run here: "
-                + grouped_gemm.available())):
+                + grouped_gemm.unavailable_reason())):
             grouped_gemm.fused_forward(xb, wb, gs)
     with pytest.raises(ValueError, match=re.escape(
             "gathered_drhs: x (X, K), dy (M, N) and index (M,) must fit, got x (6, 16), dy (5, "
@@ -696,7 +696,7 @@ def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind, k
         assert g.shape == r.shape, name
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 * (1 + np.abs(r).max()),
                                    err_msg=name)
-    if kind == "masked" and grouped_gemm.available() is not None:
+    if kind == "masked" and grouped_gemm.unavailable_reason() is not None:
         # moe_layer takes this path with implementation="cutlass-fused", which says where it
         # runs
         def layer(x, ids, w, w_in, w_out):
@@ -705,7 +705,7 @@ def test_fused_path_equals_dense_float64_with_gradients(sharded, n, rng, kind, k
         from jax.sharding import PartitionSpec as P
         with pytest.raises(ValueError, match=re.escape(
                 "moe_layer: implementation='cutlass-fused': implementation='cutlass' does not "
-                "run here: " + grouped_gemm.available())):
+                "run here: " + grouped_gemm.unavailable_reason())):
             jax.jit(jax.shard_map(layer, mesh=sharded.mesh, in_specs=(P("ep"),) * 5,
                                   out_specs=P("ep")))(*sharded.put(x, ids, w, w_in, w_out))
 
@@ -893,7 +893,7 @@ def test_kernel_outputs_take_the_inputs_varying_axes(sharded, n):
     """A kernel (Pallas) output carries no varying-axes type inside shard_map; a custom VJP that
     returns one for a varying input fails JAX's check unless match_vma marks it (what gemm does
     with tokamax's outputs)."""
-    from ep_comm.topology.jax_compat import match_vma
+    from ep_comm.topology._jax_compat import match_vma
 
     def grad_with(mark):
         @jax.custom_vjp

@@ -325,10 +325,10 @@ def test_error_outside_shard_map():
 
 
 def test_auto_picks_nccl_on_gpus_where_built():
-    assert collectives.resolve("auto", "cpu")[0] == "portable"
+    assert collectives.resolve_transport("auto", "cpu")[0] == "portable"
     nccl_reason = collectives.available("cuda")["nccl"]
-    assert collectives.resolve("auto", "cuda")[0] == ("nccl" if nccl_reason is None else "portable")
-    assert collectives.resolve("xla", "cuda")[0] == "xla"
+    assert collectives.resolve_transport("auto", "cuda")[0] == ("nccl" if nccl_reason is None else "portable")
+    assert collectives.resolve_transport("xla", "cuda")[0] == "xla"
 
 
 # ---- the async pair ----------------------------------------------------------------------------

@@ -23,9 +23,9 @@ import ep_comm
 from ep_comm.collectives import row_kernels
 from ep_comm.expand import ZERO_TAIL_ROWS, expand
 from ep_comm.routes import Route
-from ep_comm.rows import gather_sum as rows_gather_sum
+from ep_comm.rows import masked_gather_sum
 
-ON_GPU = jax.default_backend() == "gpu" and row_kernels.available() is None
+ON_GPU = jax.default_backend() == "gpu" and row_kernels.unavailable_reason() is None
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU with the row kernels built")
 
 
@@ -844,7 +844,7 @@ def test_receive_side_on_synthetic_ranks(n, plan):
 
     def receive_sum(y):
         pos = want["recv_pos"]
-        return rows_gather_sum(y, pos, pos < C, want["recv_weights"], out_dtype=jnp.float32)
+        return masked_gather_sum(y, pos, pos < C, want["recv_weights"], out_dtype=jnp.float32)
     g, w_ = _both(receive_sum, expert_y)
     np.testing.assert_allclose(g, w_, rtol=1e-6, atol=1e-5)
 
@@ -953,4 +953,4 @@ def test_auto_transport_and_unavailable_backends_name_the_platform():
         with pytest.raises(ValueError, match=re.escape(
                 f"dispatch: backend={backend!r} is not available here: {reason}; use "
                 f"backend='portable' or 'auto'")):
-            collectives.resolve(backend, "tpu", caller="dispatch")
+            collectives.resolve_transport(backend, "tpu", caller="dispatch")

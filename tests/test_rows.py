@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ep_comm.rows import gather_rows, gather_sum
+from ep_comm.rows import gather_rows, masked_gather_sum
 
 
 def _plain_take(table, idx):
@@ -61,7 +61,7 @@ def test_gather_sum_transpose_and_weight_gradient(weighted):
     cot = jnp.asarray(rng.standard_normal((N, H)), jnp.float32)
 
     def ours(t, w):
-        return gather_sum(t, perm, ok, w if weighted else None)
+        return masked_gather_sum(t, perm, ok, w if weighted else None)
     got, vjp = jax.vjp(ours, table, w)
     safe = jnp.where(jnp.isnan(table), 0.0, table)
     want, vjp_ref = jax.vjp(lambda t, w: _plain_gather_sum(t, perm, ok, w), safe, w)
@@ -93,7 +93,7 @@ def test_transposes_are_gathers_not_scatters():
     plain = row_scatters(lambda t: _plain_take(t, idx),
                          lambda t, p, o: _plain_gather_sum(t, p, o, jnp.ones(p.shape)))
     assert plain, "the plain gathers' transposes should scatter rows (the check can fail)"
-    assert row_scatters(lambda t: gather_rows(t, idx, inv), gather_sum) == []
+    assert row_scatters(lambda t: gather_rows(t, idx, inv), masked_gather_sum) == []
 
 
 def test_invariant_table_gets_the_summed_cotangent_inside_shard_map():
@@ -122,7 +122,7 @@ def test_invariant_table_gets_the_summed_cotangent_inside_shard_map():
                           out_specs=P("ep"))
         return jax.jit(lambda t: jnp.sum(f(t, scale, idx_r, pos_r)))
 
-    got = jax.grad(loss(lambda t, i: gather_rows(t, i, inv), gather_sum))(table)
+    got = jax.grad(loss(lambda t, i: gather_rows(t, i, inv), masked_gather_sum))(table)
     want = jax.grad(loss(_plain_take,
                          lambda t, p, o: _plain_gather_sum(t, p, o, jnp.ones(p.shape))))(table)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -295,18 +295,18 @@ def test_quantize_on_the_accelerator_equals_the_cpu_reference():
 
 
 def test_error_table_and_bench_rows():
-    from ep_comm import bench, wire_bench
+    from ep_comm.benchmarks import dispatch as dispatch_bench, wire as wire_bench
 
     rows = wire_bench.main(["--tokens", "64", "--hidden", "256"])
     assert {(r["activations"], r["format"]) for r in rows} == {
         (a, f) for a in ("normal", "heavy-tailed") for f in FORMATS}
     assert all(r["max_rel"] <= (2.0 ** -4 if r["format"] == "e4m3" else 2.0 ** -3) for r in rows)
     # the dispatch benchmark's FP8 rows, on a 2-device mesh (its programs are the costly part)
-    rep = bench.run(bench.BenchConfig(8, 64, 2, 8, "float32", "uniform"), warmup=0, iters=1,
+    rep = dispatch_bench.run(dispatch_bench.BenchConfig(8, 64, 2, 8, "float32", "uniform"), warmup=0, iters=1,
                     capacity_factors=(), backends=["portable"], wire_formats=(None, "e4m3"),
                     devices=jax.devices()[:2])
     disp = {r["impl"]: r for r in rep["results"]
             if r["phase"] == "dispatch" and r["impl"].startswith("ep_comm/")}
     assert set(disp) == {"ep_comm/portable", "ep_comm/portable e4m3"}
     assert all(r["wrong"] == 0 for r in disp.values())
-    assert "0.266x the bytes per token row" in bench.table(rep)  # (64 + 4) / (64 * 4)
+    assert "0.266x the bytes per token row" in dispatch_bench.table(rep)  # (64 + 4) / (64 * 4)

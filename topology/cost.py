@@ -147,7 +147,7 @@ class CostModel:
 
         Args:
           samples: ``(link class, bytes per rank, seconds)`` triples, e.g. from timing a plain
-            exchange over that class at several sizes (``python -m ep_comm.collectives.bench --rows
+            exchange over that class at several sizes (``python -m ep_comm.benchmarks.exchange --rows
             1024,8192,32768 --calibrate`` fits them). A class needs two or more sizes; classes
             without samples keep ``base``'s values (default: :class:`CostModel`'s).
         """

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import jax
 
-from ep_comm.topology.checks import positive_int
+from ep_comm.topology._checks import positive_int
 
 ENV = "EP_COMM_TOPOLOGY"
 LINK_CLASSES = ("self", "nvlink", "pcie", "network")

@@ -24,7 +24,7 @@ import dataclasses
 import json
 from typing import Sequence
 
-from ep_comm.topology.checks import positive_int
+from ep_comm.topology._checks import positive_int
 from ep_comm.topology.scale import H200, Hardware, LayerSpec, Schedule, _table, layer_time
 
 ADAM_BYTES = 12  # float32 master weights and two moments per parameter

@@ -18,8 +18,8 @@ import socket
 import jax
 import numpy as np
 
-from ep_comm.topology.checks import positive_int
-from ep_comm.topology.jax_compat import distributed_client
+from ep_comm.topology._checks import positive_int
+from ep_comm.topology._jax_compat import distributed_client
 
 _STATE: dict = {}
 

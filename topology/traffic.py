@@ -1,7 +1,7 @@
 """Traffic accounting: which rows cross which link, for the flat and the hierarchical plan.
 
 Everything here is numpy and independent of the JAX implementation, so tests can hold the two
-against each other. A plan is a sequence of :class:`Exchange` legs; each leg is an ``(n, n)``
+against each other. A plan is a sequence of :class:`TrafficLeg` legs; each leg is an ``(n, n)``
 matrix of rows rank ``s`` sends to rank ``d`` and the bytes of one row. Link classes
 (:data:`ep_comm.topology.LINK_CLASSES`): ``self`` (a rank to itself: a device copy), ``nvlink`` or
 ``pcie`` (inside a node), ``network`` (between nodes).
@@ -27,7 +27,7 @@ from math import comb
 
 import numpy as np
 
-from ep_comm.topology.checks import dtype_arg, positive_int
+from ep_comm.topology._checks import dtype_arg, positive_int
 from ep_comm.topology.machine import LINK_CLASSES, Topology
 
 PLANS = ("flat", "hierarchical")
@@ -51,7 +51,7 @@ def token_bytes(hidden: int, dtype, wire_format=None, *, owner: str = "token_byt
 
 
 @dataclasses.dataclass(frozen=True)
-class Exchange:
+class TrafficLeg:
     """One leg: ``rows[s, d]`` rows of ``row_bytes`` bytes from rank ``s`` to rank ``d``, moved by
     ``calls`` collective calls (the latency term counts each)."""
 
@@ -68,7 +68,7 @@ class Traffic:
 
     plan: str
     topology: Topology
-    exchanges: tuple[Exchange, ...]
+    exchanges: tuple[TrafficLeg, ...]
 
     def link_matrix(self) -> np.ndarray:
         """``(n, n)`` index into :data:`LINK_CLASSES` of the link between each pair of ranks."""
@@ -141,24 +141,24 @@ def row_bytes(hidden: int, dtype, topk: int, combine_dtype=None,
 
 def _legs(plan: str, topology: Topology, kept: np.ndarray, node_tok: np.ndarray,
           fwd: np.ndarray, hidden: int, dtype, topk: int, combine_dtype,
-          wire_format=None) -> tuple[Exchange, ...]:
+          wire_format=None) -> tuple[TrafficLeg, ...]:
     """Legs from the count matrices (exact or expected): ``kept[s, d]`` tokens s sends d that d
     keeps, ``node_tok[s, b]`` tokens s->node b, ``fwd[f, d]`` rows forwarder f sends to d in
     stage 2."""
     disp, comb_ = row_bytes(hidden, dtype, topk, combine_dtype, wire_format)
     if plan == "flat":
-        return (Exchange("dispatch exchange", "dispatch", kept, disp, 2),
-                Exchange("combine exchange", "combine", kept.T.copy(), comb_, 1))
+        return (TrafficLeg("dispatch exchange", "dispatch", kept, disp, 2),
+                TrafficLeg("combine exchange", "combine", kept.T.copy(), comb_, 1))
     N, G = topology.shape
     n = N * G
     stage1 = np.zeros((n, n), node_tok.dtype)
     for s in range(n):
         for b in range(N):
             stage1[s, b * G + s % G] = node_tok[s, b]
-    return (Exchange("dispatch stage 1", "dispatch", stage1, disp, 2),
-            Exchange("dispatch stage 2", "dispatch", fwd, disp, 2),
-            Exchange("combine stage 2", "combine", fwd.T.copy(), comb_, 1),
-            Exchange("combine stage 1", "combine", stage1.T.copy(), comb_, 1))
+    return (TrafficLeg("dispatch stage 1", "dispatch", stage1, disp, 2),
+            TrafficLeg("dispatch stage 2", "dispatch", fwd, disp, 2),
+            TrafficLeg("combine stage 2", "combine", fwd.T.copy(), comb_, 1),
+            TrafficLeg("combine stage 1", "combine", stage1.T.copy(), comb_, 1))
 
 
 def _ids_array(topk_ids) -> np.ndarray:

@@ -185,7 +185,7 @@ inline double timeout_seconds() {
   return (end != v && t > 0) ? t : 300.0;
 }
 
-// Fault injection for the reliability tests (scripts/faults.py), read when a communicator is
+// Fault injection for the reliability tests (tests/faults.py), read when a communicator is
 // created: EP_COMM_FAULT=exit_after_metadata makes this process exit (status 86) once the metadata
 // of its first exchange with peers has arrived, stall_after_metadata makes it sleep there for good:
 // a peer that dies, or stops, between the metadata and the payload.

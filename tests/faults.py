@@ -1,7 +1,7 @@
 """Fault injection under ``mpirun`` (CPU): what ep_comm survives, and how fast it says so.
 
 For each backend (the engine's ``mpi`` transport, ``portable``), rank count and fault of
-``scripts/fault_worker.py``, launch the worker on every rank with ``EP_COMM_TIMEOUT_S`` set, read
+``tests/fault_worker.py``, launch the worker on every rank with ``EP_COMM_TIMEOUT_S`` set, read
 its output as it comes, and record what the survivors got and when:
 
 - ``diagnostic``: every survivor raised with a message (seconds from the start of its failing call
@@ -10,7 +10,7 @@ its output as it comes, and record what the survivors got and when:
   the rank);
 - ``hang``: nothing within ``timeout + 10 s`` after the run's own start-up; the run is killed.
 
-    python scripts/faults.py [--timeout 10] [--ranks 2,4] [--backends mpi,portable] [--json F]
+    python tests/faults.py [--timeout 10] [--ranks 2,4] [--backends mpi,portable] [--json F]
 
 Prints a table (fault x phase -> outcome, time to diagnostic) and writes JSON.
 """

@@ -1,5 +1,5 @@
 """Where the time of dispatch and combine goes off CUDA: the building blocks of their XLA
-lowerings next to plain JAX, at one rank: ``python scripts/lowering_probe.py [T H K E I]
+lowerings next to plain JAX, at one rank: ``python tools/lowering_probe.py [T H K E I]
 [--blocks] [--ops]`` (``--blocks``: also sorts, scatters and counts of ``T * K`` keys alone;
 ``--ops``: instead, the device ops of plain JAX's permute, dispatch and combine from a JAX profiler
 trace, heaviest first: TPU or CPU)."""
@@ -21,8 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ep_comm import collectives
 import ep_comm
 from ep_comm.collectives import row_kernels as rk
-from ep_comm.collectives.timing import hardware, median_us, pipelined_us
-from ep_comm import baselines
+from ep_comm.benchmarks.timing import hardware, median_us, pipelined_us
+from ep_comm.benchmarks import plain
+from ep_comm.benchmarks.reference import dense_experts
 
 SHAPE = [a for a in sys.argv[1:] if not a.startswith('-')] or [4096, 2048, 8, 32, 1024]
 T, H, K, E, I = (int(a) for a in SHAPE)
@@ -83,7 +84,7 @@ def ops(name, fn, args, calls=5):
 
 
 if "--ops" in sys.argv:  # the device ops of plain JAX's permute, dispatch and combine instead
-    ops("plain permute", smap(baselines.permute), (x, ids))
+    ops("plain permute", smap(plain.permute), (x, ids))
     disp = smap(functools.partial(ep_comm.dispatch, config=cfg))
     ops("dispatch", disp, (x, ids, w))
     ops("combine", smap(ep_comm.combine), disp(x, ids, w))
@@ -93,8 +94,8 @@ if "--ops" in sys.argv:  # the device ops of plain JAX's permute, dispatch and c
 time("copy: repeat x K rows", smap(lambda x: jnp.repeat(x, K, axis=0)), x)
 
 
-time("plain permute (argsort + gather)", smap(baselines.permute), x, ids)
-time("plain permute + unpermute", smap(baselines.round_trip), x, ids, w)
+time("plain permute (argsort + gather)", smap(plain.permute), x, ids)
+time("plain permute + unpermute", smap(plain.round_trip), x, ids, w)
 for mode, ctx in (("reference", rk.reference_only), ("fast", rk.xla_only)):
     with ctx():
         d = smap(functools.partial(ep_comm.dispatch, config=cfg))
@@ -127,7 +128,7 @@ wo = put(jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), dtype))
 
 
 def plain_layer(x, ids, w, wi, wo):
-    return baselines.moe_layer(x, ids, w, wi, wo)
+    return plain.plain_layer(x, ids, w, wi, wo)
 
 
 def layer(x, ids, w, wi, wo):
@@ -135,10 +136,7 @@ def layer(x, ids, w, wi, wo):
 
 
 def dense(x, ids, w, wi, wo):
-    xg = jnp.repeat(x, K, axis=0).reshape(E, M // E, H)
-    u = jnp.einsum("gmh,ghf->gmf", xg, wi)
-    a = ep_comm.layer.swiglu(u.reshape(-1, 2 * I), I).reshape(E, M // E, I)
-    return jnp.einsum("gmf,gfh->gmh", a, wo).reshape(M, H)[:T]
+    return dense_experts(jnp.repeat(x, K, axis=0).reshape(E, M // E, H), wi, wo).reshape(M, H)[:T]
 
 
 args = (x, ids, w, wi, wo)

@@ -1,4 +1,4 @@
-"""Benchmark dispatch + combine, nccl-tests style: ``python -m ep_comm.bench``.
+"""Benchmark dispatch + combine, nccl-tests style: ``python -m ep_comm.benchmarks.dispatch``.
 
 Compares, side by side in one run and on the same routing:
 
@@ -9,15 +9,15 @@ Compares, side by side in one run and on the same routing:
 - ``lax.all_to_all``: a dense all-to-all of each rank's ``T`` token rows, no routing at all (a
   ceiling for moving that many bytes; its payload is ``T * H`` elements);
 - ``plain JAX``: each rank's own (token, expert) pairs permuted by an argsort and a gather,
-  unpermuted by a gather and a weighted sum, and both (:mod:`ep_comm.baselines`): no exchange,
+  unpermuted by a gather and a weighted sum, and both (:mod:`ep_comm.benchmarks.plain`): no exchange,
   the local work a user's own JAX code does at one rank. With ``--round-trip``, ep_comm's
   dispatch then combine in one program too (``round trip``); the table ends with each ep_comm
   phase's time over plain JAX's (pipelined where measured: ``pipe``);
 - ``plain JAX EP`` (more than one rank): the same dropless exchange written in plain JAX
-  (:func:`ep_comm.baselines.ep_permute` / ``ep_unpermute``: per-peer slots of ``T`` rows through
+  (:func:`ep_comm.benchmarks.plain.ep_permute` / ``ep_unpermute``: per-peer slots of ``T`` rows through
   ``lax.all_to_all``, an argsort by local expert, ``expert_rows`` rows out as ep_comm's config
   gives them), timed per phase; the table ends with ep_comm's phases over it too, also timed in
-  turn with it (:func:`ep_comm.collectives.timing.interleaved_us`: drift over the run, large on a
+  turn with it (:func:`ep_comm.benchmarks.timing.interleaved_us`: drift over the run, large on a
   2-core machine running 8 devices, lands on both alike).
 
 For each: ``time`` = median over ``--iters`` calls after ``--warmup``, each waited for; ``pipe`` =
@@ -69,9 +69,9 @@ from ep_comm import collectives
 import ep_comm
 from ep_comm import topology
 from ep_comm.collectives import portable
-from ep_comm.collectives.timing import (emit, hardware, interleaved_us, median_us, pipelined_us,
+from ep_comm.benchmarks.timing import (emit, hardware, interleaved_us, median_us, pipelined_us,
                                trace_kernels)
-from ep_comm import baselines
+from ep_comm.benchmarks import plain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,11 +185,11 @@ def in_program(cfg, mesh, calls: int):
 
 
 def _copy_ceiling_us(nbytes: int, warmup: int, iters: int) -> float | None:
-    """Pipelined time (:func:`ep_comm.collectives.timing.pipelined_us`) of one device copy of ``nbytes``
+    """Pipelined time (:func:`ep_comm.benchmarks.timing.pipelined_us`) of one device copy of ``nbytes``
     bytes read and written in all (GPU with the engine built), else None."""
     if jax.default_backend() != "gpu" or collectives.available().get("nccl") is not None:
         return None
-    from ep_comm.collectives.bench import device_copy
+    from ep_comm.benchmarks.exchange import device_copy
     half = max(1, nbytes // 2 // 16)
     dev = jax.devices()[0]
     src = jax.device_put(jnp.ones((half, 16), jnp.uint8), dev)
@@ -337,12 +337,12 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
                             buffers=2 * E * cap * H * itemsize))
     # plain JAX at each rank: its own pairs, no exchange (payload and wire: the pairs' rows)
     local = T * K * H * itemsize
-    perm = smap(baselines.permute)
+    perm = smap(plain.permute)
     x_sorted, order = perm(xs, idss)
     for phase, fn, fargs in (
             ("permute", perm, (xs, idss)),
-            ("unpermute", smap(baselines.unpermute), (x_sorted, order, ws)),
-            ("round trip", smap(baselines.round_trip), (xs, idss, ws))):
+            ("unpermute", smap(plain.unpermute), (x_sorted, order, ws)),
+            ("round trip", smap(plain.round_trip), (xs, idss, ws))):
         y = fn(*fargs)
         results.append(dict(impl="plain JAX", plan="-", phase=phase,
                             time_us=median_us(fn, fargs, warmup, iters),
@@ -353,12 +353,12 @@ def run(bc: BenchConfig, warmup: int = 3, iters: int = 20, seed: int = 0,
         rows_out = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
                                     recv_capacity=recv_capacity).expert_rows
         kw = dict(axis_name="ep", num_experts=E, rows=rows_out)
-        ep_perm = smap(functools.partial(baselines.ep_permute, **kw))
-        ep_unperm = smap(functools.partial(baselines.ep_unpermute, axis_name="ep"))
+        ep_perm = smap(functools.partial(plain.ep_permute, **kw))
+        ep_unperm = smap(functools.partial(plain.ep_unpermute, axis_name="ep"))
         ep_x, _, ep_state = ep_perm(xs, idss, ws)
         phases = [("dispatch", ep_perm, (xs, idss, ws)), ("combine", ep_unperm, (ep_x, ep_state))]
         if round_trip:
-            phases.append(("round trip", smap(functools.partial(baselines.ep_round_trip, **kw)),
+            phases.append(("round trip", smap(functools.partial(plain.ep_round_trip, **kw)),
                            (xs, idss, ws)))
         for phase, fn, fargs in phases:
             if phase == "dispatch":  # the same rows as ep_comm's, group by group

@@ -11,8 +11,8 @@ with ``--backend nccl`` (one process per GPU; one GPU runs without ``mpirun``):
   the mpi one.
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EP_COMM_CPU_DEVICES=1 \\
-      mpirun -n 2 python scripts/lifecycle.py [--cycles 200] [--json out.json]
-    python scripts/lifecycle.py --backend nccl --cycles 50    # one GPU
+      mpirun -n 2 python tests/lifecycle.py [--cycles 200] [--json out.json]
+    python tests/lifecycle.py --backend nccl --cycles 50    # one GPU
 
 Each cycle runs dispatch + combine and one ``ep_comm.ragged_all_to_all`` (at one rank dispatch
 moves nothing between ranks, so the exchange is what bootstraps a communicator there).

@@ -1,10 +1,10 @@
-"""A dispatch's time inside a jitted program of 20 dispatches (``ep_comm.bench.in_program``), in a
+"""A dispatch's time inside a jitted program of 20 dispatches (``ep_comm.benchmarks.dispatch.in_program``), in a
 fresh process: three medians each of the program waited for and of programs issued back to back,
 and the program's kernels per dispatch from a profiler trace.
 
-    python scripts/in_program.py [--tokens 128] [--repeats 3] [--iters 10]
+    python tools/in_program.py [--tokens 128] [--repeats 3] [--iters 10]
 
-One rank, H=7168, top-8 of 256 experts, bf16, uniform routing (ep_comm.bench's config). XLA flags
+One rank, H=7168, top-8 of 256 experts, bf16, uniform routing (ep_comm.benchmarks.dispatch's config). XLA flags
 (``XLA_FLAGS``) apply as usual, so the same program can be timed with and without command buffers.
 """
 
@@ -18,8 +18,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
-from ep_comm.collectives.timing import median_us, pipelined_us
-from ep_comm.bench import in_program, kernel_us, make_routing
+from ep_comm.benchmarks.timing import median_us, pipelined_us
+from ep_comm.benchmarks.dispatch import in_program, kernel_us, make_routing
 
 CALLS = 20
 

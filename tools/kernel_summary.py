@@ -1,9 +1,9 @@
 """GPU kernel time by kernel name and stream, per call, in JAX profiler traces.
 
-    python3 scripts/kernel_summary.py FOLDER [FOLDER ...] [--calls 3] [--top 22]
+    python3 tools/kernel_summary.py FOLDER [FOLDER ...] [--calls 3] [--top 22]
 
 Each FOLDER holds one trace (the newest is read) of ``--calls`` calls, as
-``ep_comm.layer_bench --profile`` writes them (one folder per chunk count:
+``ep_comm.benchmarks.layer --profile`` writes them (one folder per chunk count:
 ``chunks{C}_{chunk_by}``).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from ep_comm.collectives.timing import trace_kernels
+from ep_comm.benchmarks.timing import trace_kernels
 
 
 def summary(folder: str, calls: int = 3, top: int = 22) -> str:

@@ -1,6 +1,6 @@
 """What this platform's lax.ragged_dot does with the rows past the groups (docs/performance.md:
 XLA:CPU and XLA:GPU write zeros there; XLA:TPU leaves them unwritten), and whether a NaN in a row
-past the groups reaches any pass. Prints one line per pass: ``python scripts/ragged_dot_probe.py``.
+past the groups reaches any pass. Prints one line per pass: ``python tools/ragged_dot_probe.py``.
 """
 
 import jax

@@ -3,7 +3,7 @@ values against the plain-JAX reference at small shapes (every epilogue, malforme
 sizes), then times at one rank of DeepSeek-V3 at EP8, beside the dense einsum of the same FLOPs
 and the unfused passes (gather, then the grouped GEMM, then SwiGLU) in the same run.
 
-    python scripts/fused_gemm_probe.py [--pairs 32768 --tokens 8192 --hidden 7168 --inter 2048]
+    python tools/fused_gemm_probe.py [--pairs 32768 --tokens 8192 --hidden 7168 --inter 2048]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ep_comm.collectives import grouped_gemm as gg
-from ep_comm.collectives.timing import hardware, median_us
+from ep_comm.benchmarks.timing import hardware, median_us
 
 
 def check(rng) -> list[str]:

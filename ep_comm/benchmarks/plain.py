@@ -1,5 +1,5 @@
 """Plain JAX, as a user writes it without ep_comm: the peers the benchmarks time ep_comm against
-in the same run (``ep_comm.bench``, ``ep_comm.layer_bench``).
+in the same run (``ep_comm.benchmarks.dispatch``, ``ep_comm.benchmarks.layer``).
 
 One rank's work only (no exchange): the (token, expert) pairs sorted by expert with an argsort
 and gathered (MaxText's and most JAX MoE code's permute), gathered back and summed with the
@@ -12,7 +12,7 @@ token once per destination rank into that rank's slot of ``T`` rows (the droples
 padded exchange of the rows and one of their routing, an argsort by local expert on the receiver;
 back: a weighted segment sum per received token, the reverse exchange, a masked sum per token.
 That is ep_comm's portable transport's wire volume, without its counting, handles and checks: the
-peer its dispatch and combine are timed against on CPUs (``ep_comm.bench``).
+peer its dispatch and combine are timed against on CPUs (``ep_comm.benchmarks.dispatch``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def round_trip(x, topk_ids, topk_weights):
     return unpermute(xs, order, topk_weights)
 
 
-def moe_layer(x, topk_ids, topk_weights, w_in, w_out, gemm=jax.lax.ragged_dot):
+def plain_layer(x, topk_ids, topk_weights, w_in, w_out, gemm=jax.lax.ragged_dot):
     """One rank's SwiGLU MoE layer over all ``E`` experts (``w_in`` ``(E, H, 2I)``, ``w_out``
     ``(E, I, H)``): :func:`permute`, ``bincount`` group sizes, two grouped GEMMs, :func:`unpermute`.
     Ids must lie in ``[0, E)``."""

@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import ep_comm  # noqa: E402
-from ep_comm.collectives.timing import trace_kernels  # noqa: E402
+from ep_comm.benchmarks.timing import trace_kernels  # noqa: E402
 
 
 def main():

@@ -2,7 +2,7 @@
 the plain JAX layer MaxText runs (argsort + gather + megablox ``gmm`` at MaxText's default tiling
 (512, 1024, 1024) + SwiGLU + unpermute) and the dense einsums of the same FLOPs, in one run.
 
-    python scripts/tpu_megablox.py --hidden 2048 --intermediate 1024 --json out/megablox_H2048.json
+    python tools/tpu_megablox.py --hidden 2048 --intermediate 1024 --json out/megablox_H2048.json
 
 Per shape (T tokens, top-K of E experts on one rank, bf16):
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import time
 
@@ -30,8 +29,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
-from ep_comm.collectives.timing import median_us
+from ep_comm.benchmarks.timing import median_us
 from ep_comm import gemm
+from ep_comm.benchmarks.plain import plain_layer
+from ep_comm.benchmarks.reference import dense_experts
 
 MAXTEXT = (512, 1024, 1024)
 CANDIDATES = [(tm, tk, tn) for tm in (256, 512, 1024) for tk in (512, 1024, 2048)
@@ -111,25 +112,6 @@ def sweep(rng, sizes, M, K, N, iters, budget_s):
     return out
 
 
-def swiglu(u, I):
-    g = u[:, :I].astype(jnp.float32)
-    return (jax.nn.silu(g) * u[:, I:].astype(jnp.float32)).astype(u.dtype)
-
-
-def plain_layer(x, ids, w, w_in, w_out, gmm):
-    """MaxText's layer: argsort permute, two grouped GEMMs, SwiGLU, unpermute by the inverse
-    permutation and a weighted sum over the k slots."""
-    T, K = ids.shape
-    E, I = w_in.shape[0], w_out.shape[1]
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat)
-    gs = jnp.bincount(flat, length=E).astype(jnp.int32)
-    xs = x[order // K]
-    y = gmm(swiglu(gmm(xs, w_in, gs), I), w_out, gs)
-    y = y[jnp.argsort(order)].reshape(T, K, -1)
-    return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), w).astype(x.dtype)
-
-
 def megablox_gmm(tiling=None):
     """megablox's own custom_vjp gmm (ops.gmm: gmm forward, gmm transposed and tgmm backward) at
     one tiling for every pass, as MaxText calls it; ``None``: ep_comm's grouped_matmul (tuned)."""
@@ -147,12 +129,9 @@ def megablox_gmm(tiling=None):
 
 def dense(x, ids, w, w_in, w_out):
     """The same FLOPs as one batched einsum per GEMM (every expert T K / E rows)."""
-    E, I = w_in.shape[0], w_out.shape[1]
-    T, K = ids.shape
+    E, (T, K) = w_in.shape[0], ids.shape
     xs = jnp.broadcast_to(x[None], (K, T, x.shape[1])).reshape(E, T * K // E, -1)
-    u = jnp.einsum("gmh,ghf->gmf", xs, w_in)
-    y = jnp.einsum("gmf,gfh->gmh", swiglu(u.reshape(-1, 2 * I), I).reshape(E, -1, I), w_out)
-    return y.reshape(K, T, -1).sum(0).astype(x.dtype)
+    return dense_experts(xs, w_in, w_out).reshape(K, T, -1).sum(0).astype(x.dtype)
 
 
 def layer_rows(rng, T, K, E, H, I, iters):
@@ -174,14 +153,14 @@ def layer_rows(rng, T, K, E, H, I, iters):
     impls = {
         "dense einsums (same FLOPs)": dense,
         "plain layer, megablox (512, 1024, 1024) (MaxText)": functools.partial(
-            plain_layer, gmm=megablox_gmm(MAXTEXT)),
-        "plain layer, megablox tuned": functools.partial(plain_layer, gmm=megablox_gmm()),
+            plain_layer, gemm=megablox_gmm(MAXTEXT)),
+        "plain layer, megablox tuned": functools.partial(plain_layer, gemm=megablox_gmm()),
         "moe_layer, megablox tuned": ours,
     }
     flops = 6 * T * K * H * I
     rows = []
     with jax.set_mesh(mesh):
-        want = np.asarray(jax.jit(functools.partial(plain_layer, gmm=lambda a, b, g:
+        want = np.asarray(jax.jit(functools.partial(plain_layer, gemm=lambda a, b, g:
                                                     jax.lax.ragged_dot(a, b, g)))(
             x, ids, w, w_in, w_out), np.float32)
         for name, f in impls.items():

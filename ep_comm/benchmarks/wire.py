@@ -1,6 +1,6 @@
-"""The FP8 wire formats' error against bf16 rows (``python -m ep_comm.wire_bench``): per format,
+"""The FP8 wire formats' error against bf16 rows (``python -m ep_comm.benchmarks.wire``): per format,
 on normal and heavy-tailed activations, the max and mean relative error per block. The time and
-bytes of FP8 dispatch are in ``python -m ep_comm.bench --wire-formats none,e4m3,mxfp8``."""
+bytes of FP8 dispatch are in ``python -m ep_comm.benchmarks.dispatch --wire-formats none,e4m3,mxfp8``."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def error_table(tokens: int = 4096, hidden: int = 7168, seed: int = 0) -> list[d
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m ep_comm.wire_bench",
+    ap = argparse.ArgumentParser(prog="python -m ep_comm.benchmarks.wire",
                                  description="FP8 wire formats: quantization error table")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ep_comm.topology.checks import int_in_range
+from ep_comm.topology._checks import int_in_range
 
 
 @jax.tree_util.register_dataclass

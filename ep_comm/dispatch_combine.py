@@ -43,13 +43,13 @@ from ep_comm import plan as plans
 from ep_comm.config import EPConfig
 from ep_comm.expand import ZERO_TAIL_ROWS, expand, expert_rows_read
 from ep_comm.handle import EPHandle
-from ep_comm.layout import check_topk_ids, token_routes
+from ep_comm.layout import check_topk_ids, placement_routes
 from ep_comm import wire
 from ep_comm.overflow import first_invalid, invalid_ids_message, report, runtime_check
-from ep_comm.rows import gather_sum
-from ep_comm.routes import (Exchange, drive, exclusive_cumsum, flat_route, gather_counts,
+from ep_comm.rows import masked_gather_sum
+from ep_comm.routes import (ExchangeCall, drive, exclusive_cumsum, flat_route, gather_counts,
                             hierarchical_route, is_local, link_rows, local_route)
-from ep_comm.topology.jax_compat import axis_size
+from ep_comm.topology._jax_compat import axis_size
 
 
 def check_float(api: str, name: str, a, shape) -> None:
@@ -117,7 +117,7 @@ def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quanti
     topk_ids = check_topk_ids(api, topk_ids, T, K)
     topk_weights = jnp.asarray(topk_weights)
     check_float(api, "topk_weights", topk_weights, (T, K))
-    plan = plans.resolve(cfg, x.shape[1], x.dtype, api)
+    plan = plans.resolve_plan(cfg, x.shape[1], x.dtype, api)
     R = cfg.recv_token_rows
     i32 = jnp.int32
     ax = cfg.axis_name
@@ -132,7 +132,7 @@ def dispatch_steps(x, topk_ids, topk_weights, config: EPConfig, *, return_quanti
             topk_ids, topk_weights, num_experts=cfg.num_experts, rows=cfg.expert_rows,
             fill_rows=ZERO_TAIL_ROWS, zero_fill=cfg.zero_fill)
     else:
-        tr, layout = token_routes(topk_ids, topk_weights, cfg.placement), None
+        tr, layout = placement_routes(topk_ids, topk_weights, cfg.placement), None
     dest = tr.dest
     hierarchical = plan.kind == "hierarchical"
     if hierarchical:
@@ -301,23 +301,23 @@ def combine_steps(expert_y, handle: EPHandle):
     plan = plans.replay(cfg, handle.plan, api)
 
     # Receiver: weighted sum over this rank's experts of each received token.
-    partial = gather_sum(expert_y, handle.recv_pos, handle.recv_pos < C, handle.recv_weights,
+    partial = masked_gather_sum(expert_y, handle.recv_pos, handle.recv_pos < C, handle.recv_weights,
                          out_dtype=wire)
     if is_local(cfg, handle.plan):  # the receive buffer was the tokens: row t is token t's sum
         return partial.astype(expert_y.dtype)
     if handle.plan == "flat":
-        (back,) = yield (Exchange(cfg, plan.stages[0], handle.legs[0], partial, cfg.send_rows, T,
+        (back,) = yield (ExchangeCall(cfg, plan.stages[0], handle.legs[0], partial, cfg.send_rows, T,
                                   "combine", reverse=True),)
     else:
         N, G = plan.shape
         leg1, leg2 = handle.legs
         # Stage 2 backwards: one partial per (token, rank) to the node's forwarding rank, which
         # sums them: one row per token and node.
-        (back2,) = yield (Exchange(cfg, plan.stages[1], leg2, partial, N * T * min(K, G), N * T,
+        (back2,) = yield (ExchangeCall(cfg, plan.stages[1], leg2, partial, N * T * min(K, G), N * T,
                                    "combine (stage 2)", reverse=True),)
-        node_sum = gather_sum(back2, handle.forward_row, handle.forward_row >= 0,
+        node_sum = masked_gather_sum(back2, handle.forward_row, handle.forward_row >= 0,
                               out_dtype=wire)
-        (back,) = yield (Exchange(cfg, plan.stages[0], leg1, node_sum, T * min(K, N), T,
+        (back,) = yield (ExchangeCall(cfg, plan.stages[0], leg1, node_sum, T * min(K, N), T,
                                   "combine (stage 1)", reverse=True),)
     # Source: sum the partials of each token's ranks (or nodes), in order of first choice; only
     # the rows that came back (a row the destination did not keep, at a small recv_capacity, did
@@ -326,4 +326,4 @@ def combine_steps(expert_y, handle: EPHandle):
     came_back = rows_covered(back.shape[0], leg.input_offsets, leg.send_sizes)
     row = handle.token_send_row
     ok = (row >= 0) & came_back[jnp.clip(row, 0, back.shape[0] - 1)]
-    return gather_sum(back, row, ok, out_dtype=expert_y.dtype)
+    return masked_gather_sum(back, row, ok, out_dtype=expert_y.dtype)

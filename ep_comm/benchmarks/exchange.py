@@ -1,4 +1,4 @@
-"""Benchmark of the ragged exchange itself, nccl-tests style: ``python -m ep_comm.collectives.bench``.
+"""Benchmark of the ragged exchange itself, nccl-tests style: ``python -m ep_comm.benchmarks.exchange``.
 
 Every rank holds ``--rows`` rows of ``--hidden`` elements and sends ``rows / n`` to every rank
 (itself included) with ``ragged_all_to_all``. Side by side in one run, for every transport that runs
@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ep_comm import collectives
 from ep_comm.collectives import bootstrap, native
-from ep_comm.collectives.timing import emit, hardware, median_us, trace_kernels
+from ep_comm.benchmarks.timing import emit, hardware, median_us, trace_kernels
 from ep_comm.topology.processes import global_array, initialize, to_host
 
 AXIS = "ep"
@@ -38,7 +38,7 @@ AXIS = "ep"
 def _exchange(backend):
     """The transport's ragged all-to-all over the bench's axis (the engine's own entry: the inputs
     here are well-formed, so ep_comm.ragged_all_to_all's validation has nothing to add)."""
-    _, transport = collectives.resolve(backend)
+    _, transport = collectives.resolve_transport(backend)
     return lambda *z: transport(*z, axis_name=AXIS)
 
 

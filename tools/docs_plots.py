@@ -1,6 +1,6 @@
 """The performance page's plots, from the benchmark JSON committed under docs/bench/.
 
-    python3 scripts/docs_plots.py [OUT_DIR]      # default docs/plots (matplotlib needed)
+    python3 tools/docs_plots.py [OUT_DIR]      # default docs/plots (matplotlib needed)
 
 - ``dispatch_combine.png``: dispatch and combine wall time per call at T=128 and T=4096 tokens
   per rank against a device copy of the same bytes timed in the same run (one H200,

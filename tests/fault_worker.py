@@ -1,4 +1,4 @@
-"""One process of a fault-injection run (scripts/faults.py launches it under ``mpirun``).
+"""One process of a fault-injection run (tests/faults.py launches it under ``mpirun``).
 
 Every rank runs two dispatch + combine round trips over the mesh of all processes (one CPU device
 each); the last rank (the victim) injects ``--fault``. A survivor that gets an error prints

@@ -111,3 +111,46 @@ def trace_kernels(folder):
                  file=os.path.relpath(files[-1], folder))
             for e in events if e.get("ph") == "X"
             and "Stream" in names.get((e.get("pid"), e.get("tid")), "")]
+
+
+def temp_bytes(fn, args):
+    """The compiled program's temporary memory (XLA's memory analysis), or None where the backend
+    gives none."""
+    mem = fn.lower(*args).compile().memory_analysis()
+    return getattr(mem, "temp_size_in_bytes", None)
+
+def gib(n):
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+def is_gemm_kernel(k):
+    return any(s in k["name"].lower() for s in (
+        "ragged", "gemm", "nvjet", "cutlass", "matmul", "sm90", "wgmma", "dot"))
+
+def traced_kernels(folder, fn, args):
+    """The GPU kernels of 3 calls of ``fn`` (after one untraced call), from a profiler trace
+    written under ``folder``; ``None`` when no trace was written."""
+    os.makedirs(folder, exist_ok=True)
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(folder):
+        for _ in range(3):
+            jax.block_until_ready(fn(*args))
+    return trace_kernels(folder)
+
+def profile_split(folder, fn, args, label):
+    """GPU kernel time of one call from a profiler trace: GEMM kernels vs the rest (the eight
+    longest others by name), printed under ``label``."""
+    kernels = traced_kernels(folder, fn, args)
+    if kernels is None:
+        print(f"  {label}: no trace under {folder}", flush=True)
+        return {"error": f"no trace under {folder}"}
+    total = sum(k["dur"] for k in kernels) / 3
+    gemm = sum(k["dur"] for k in kernels if is_gemm_kernel(k)) / 3
+    top = {}
+    for k in kernels:
+        if not is_gemm_kernel(k):
+            top[k["name"][:50]] = top.get(k["name"][:50], 0) + k["dur"] / 3
+    top = sorted(top.items(), key=lambda kv: -kv[1])[:8]
+    print(f"  {label}: GPU kernels {total:.0f} us, GEMMs {gemm:.0f} us, the rest "
+          f"{total - gemm:.0f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in top), flush=True)
+    return dict(kernel_us=total, gemm_us=gemm, other_us=total - gemm,
+                top_other={k: round(v, 1) for k, v in top})
