@@ -63,7 +63,7 @@ if step sanitize; then
   # the kernels outside XLA on malformed indices (fast), then, time permitting, the kernel tests
   # through XLA (under the sanitizer a JAX process runs many times slower)
   compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
-    "from collectives import _ep_rows; print('row kernels selftest: wrong values', _ep_rows.selftest())" \
+    "from ep_comm.collectives import _ep_rows; print('row kernels selftest: wrong values', _ep_rows.selftest())" \
     2>&1 | tail -6 | tee "$OUT/sanitizer.txt"
   [ "${SANITIZE_TIMEOUT:-0}" = 0 ] || timeout "$SANITIZE_TIMEOUT" compute-sanitizer --tool memcheck \
     --kernel-name kns=gather --print-limit 20 "$PY" -m pytest -q -p no:cacheprovider \
@@ -113,7 +113,7 @@ if step gemm; then
   # GEMM_CHECKS=0: no selftest, probe or tests (a timing run with a module already checked)
   [ "${GEMM_CHECKS:-1}" = 0 ] || {
     timeout "${GEMM_SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -c \
-      "from collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
+      "from ep_comm.collectives import _ep_gemm; print('grouped GEMM selftest: wrong values', _ep_gemm.selftest()); print('fused (gather, epilogues) selftest: wrong values', _ep_gemm.fused_selftest())" \
       2>&1 | tail -8 | tee "$OUT/gemm_sanitizer.txt"
     timeout "${FUSED_TIMEOUT:-120}" "$PY" tools/fused_gemm_probe.py --json "$OUT/fused_gemm.json" 2>&1 \
       | tail -30 | tee "$OUT/fused_gemm.txt"
