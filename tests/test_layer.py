@@ -230,7 +230,7 @@ def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, c
     from ep_comm import fused
     monkeypatch.setattr(gemm.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(gemm, "tokamax_available", lambda: False)
-    monkeypatch.setattr(gemm.grouped_gemm, "available", lambda: None)
+    monkeypatch.setattr(gemm.grouped_gemm, "unavailable_reason", lambda: None)
     monkeypatch.setattr(gemm, "_noted", set())
     bf = jnp.bfloat16
     x = jax.ShapeDtypeStruct((64, 16), bf)
@@ -287,7 +287,7 @@ def test_auto_is_cutlass_per_pass_on_hopper_and_says_once_why_not(monkeypatch, c
     assert [r.getMessage() for r in caplog.records] == want
     caplog.clear()
     why = "its kernels are sm_90a (Hopper), and this GPU's compute capability is 8.0"
-    monkeypatch.setattr(gemm.grouped_gemm, "available", lambda: why)
+    monkeypatch.setattr(gemm.grouped_gemm, "unavailable_reason", lambda: why)
     with caplog.at_level(logging.WARNING, logger="ep_comm"):
         for _ in range(2):
             assert gemm.pass_implementations("auto", x, w) == ("xla",) * 3

@@ -68,7 +68,7 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
     impls = [("xla", None)]
     if gm.tokamax_available() and jnp.dtype(dtype).itemsize == 2:
         impls += [("tokamax", None), ("tokamax", "heuristics")]
-    if gm.grouped_gemm.available() is None and jnp.dtype(dtype).itemsize == 2:
+    if gm.grouped_gemm.unavailable_reason() is None and jnp.dtype(dtype).itemsize == 2:
         impls += [("cutlass", c) for c in gm.grouped_gemm.CONFIGS]
     results = []
     for name, k, n in (("up", hidden, 2 * inter), ("down", inter, hidden)):
