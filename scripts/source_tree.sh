@@ -8,4 +8,7 @@ rm -rf "$_tree" && mkdir -p "$_tree/ep_comm"
 ln -s "$PWD"/ep_comm/* "$_tree/ep_comm/"
 ln -s "$PWD/collectives" "$PWD/topology" "$_tree/ep_comm/"
 export PYTHONPATH="$_tree:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}"
+# and not the working directory (python -c, python -m put it first on sys.path), where ep_comm/
+# is the bare source folder, without its subpackages
+export PYTHONSAFEPATH=1
 unset _tree
