@@ -34,7 +34,7 @@ import jax
 from ep_comm.topology._jax_compat import command_buffer_traits
 from ep_comm.topology.processes import process_allgather
 
-PROTOCOL = 1  # keep in step with kMagic in csrc/exchange_plan.h ("epc1")
+PROTOCOL = 1  # keep in step with kMagic in csrc/engine/exchange_plan.h ("epc1")
 
 _lock = threading.RLock()
 _modules: dict[str, object] = {}
@@ -122,32 +122,19 @@ def register_targets(name: str) -> None:
     with _lock:
         if name in _registered:
             return
-        if name == "mpi":
-            jax.ffi.register_ffi_target("ep_comm_mpi_exchange", mod.handler(), platform="cpu")
-        elif name == "rows":
-            for op in ("gather", "gather_sum", "empty", "scatter", "scatter_dequant",
-                       "key_count", "key_rank", "expert_layout", "scatter_fake_quant",
-                       "scatter_quant", "token_routes", "local_layout"):
+        # each module lists its handlers once (csrc/*/handlers.def); handlers() returns them
+        for target, capsule in mod.handlers().items():
+            if name == "mpi":
+                jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+            elif name == "rows":
                 # the row kernels launch shape-determined work and never wait on the host:
                 # XLA may put them in its CUDA graphs (one launch for many kernels)
-                jax.ffi.register_ffi_target(f"ep_comm_rows_{op}", getattr(mod, f"{op}_handler")(),
-                                            platform="CUDA", **command_buffer_traits())
-        elif name == "gemm":
-            # not in CUDA graphs: the handler runs CUTLASS's host-side initialize (the kernel
-            # parameters, the tensor maps' workspace) on every call
-            jax.ffi.register_ffi_target("ep_comm_grouped_gemm", mod.grouped_gemm_handler(),
-                                        platform="CUDA")
-            jax.ffi.register_ffi_target("ep_comm_grouped_gemm_fused", mod.fused_handler(),
-                                        platform="CUDA")
-            jax.ffi.register_ffi_target("ep_comm_grouped_gemm_dswiglu", mod.dswiglu_handler(),
-                                        platform="CUDA")
-            jax.ffi.register_ffi_target("ep_comm_grouped_gemm_drhs_gather",
-                                        mod.drhs_gather_handler(), platform="CUDA")
-        else:
-            for target, fn in (("ep_comm_nccl_start", mod.start_handler),
-                               ("ep_comm_nccl_done", mod.done_handler),
-                               ("ep_comm_device_copy", mod.copy_handler)):
-                jax.ffi.register_ffi_target(target, fn(), platform="CUDA")
+                jax.ffi.register_ffi_target(target, capsule, platform="CUDA",
+                                            **command_buffer_traits())
+            else:
+                # not in CUDA graphs: the GEMM runs CUTLASS's host-side initialize on every call;
+                # the NCCL engine's start and done wait on the host
+                jax.ffi.register_ffi_target(target, capsule, platform="CUDA")
         _registered.add(name)
 
 

@@ -1,5 +1,5 @@
 """The experts' grouped GEMM of ep_comm's own on Hopper: CUTLASS 3.x kernels (sm_90a) behind the
-XLA FFI (``collectives/csrc/grouped_gemm.cu``, the module ``_ep_gemm``).
+XLA FFI (``collectives/csrc/grouped_gemm/passes.cu``, the module ``_ep_gemm``).
 
 One call runs one pass over ``G`` groups of rows (group ``g``: rows ``[off_g, off_g + s_g)``,
 ``s_g = group_sizes[g]``, contiguous from row 0), float32 accumulation, the result in the inputs'
@@ -32,7 +32,7 @@ import numpy as np
 from ep_comm.collectives import bootstrap
 
 PASSES = ("forward", "dlhs", "drhs")
-# The tile configs compiled in (collectives/csrc/grouped_gemm_impl.cuh): 0 cooperative (two
+# The tile configs compiled in (collectives/csrc/grouped_gemm/impl.cuh): 0 cooperative (two
 # warpgroups on a 128x256 tile), 1 ping-pong (a 128x128 tile per warpgroup, one's epilogue under
 # the other's mainloop), 2 cooperative 256x128 in 1x2 clusters (A multicast), 3 cooperative
 # 128x256 in 2x1 clusters (B multicast), 4 cooperative 128x256 in 1x2 clusters (A multicast;
@@ -145,7 +145,7 @@ EPILOGUES = ("store", "swiglu", "scale")
 
 def fused_forward(x, w, group_sizes, *, index=None, epilogue: str = "store", scale=None,
                   zero_tail: bool = True, config: int = 0):
-    """The fused forward pass (``collectives/csrc/grouped_gemm_gather.cu``): for the rows ``r``
+    """The fused forward pass (``collectives/csrc/grouped_gemm/gather.cu``): for the rows ``r``
     of group ``g``, ``acc = x[index[r]] @ w[g]`` (``x[r]`` without ``index``), float32, then
 
     - ``"store"``: ``out[r] = acc`` (``(M, N)``);
@@ -205,7 +205,7 @@ def fused_forward_reference(x, w, group_sizes, *, index=None, epilogue: str = "s
 
 def gathered_drhs(x, dy, group_sizes, *, index=None, config: int = 0):
     """The weight gradient with ``x``'s rows gathered in the prologue
-    (``collectives/csrc/grouped_gemm_gather.cu``): ``out[g] = sum_r x[index[r]]^T dy[r]`` over
+    (``collectives/csrc/grouped_gemm/gather.cu``): ``out[g] = sum_r x[index[r]]^T dy[r]`` over
     the rows ``r`` of group ``g`` (``(G, K, N)``, float32 sums; zero for an empty group), so the
     pairs' rows are not written for the backward either. ``x`` ``(X, K)``, ``dy`` ``(M, N)``,
     ``index`` int32 ``(M,)`` (outside ``[0, X)``: a zero row; none: ``x``'s row ``r``, ``X ==
@@ -255,7 +255,7 @@ def gathered_drhs_reference(x, dy, group_sizes, *, index=None):
 
 def dswiglu_dlhs(dy, w_out, group_sizes, u, h, scale, *, config: int = 0):
     """The down projection's ``dlhs`` with SwiGLU's derivative in its epilogue
-    (``collectives/csrc/grouped_gemm_gather.cu``), for the rows ``r`` of group ``g``:
+    (``collectives/csrc/grouped_gemm/gather.cu``), for the rows ``r`` of group ``g``:
     ``dh_w = dy[r] @ w_out[g].T`` (``w_out`` ``(G, I, H)`` read K-major in place), ``dh = dh_w *
     scale[r]``, and with ``gate, up = u[r, :I], u[r, I:]``, ``s = sigmoid(gate)``:
 

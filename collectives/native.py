@@ -219,7 +219,7 @@ def _group_size(axis_name, axis_index_groups, api):
     return len(axis_index_groups[0]) if axis_index_groups else axis_size(axis_name, api)
 
 
-_HEADER, _SLOT = 6, 4  # int64s per metadata message: kHeader + kSlot * m (csrc/exchange_plan.h)
+_HEADER, _SLOT = 6, 4  # int64s per metadata message: kHeader + kSlot * m (csrc/engine/exchange_plan.h)
 
 
 def _workspace_aval(transport, n, k):

@@ -196,6 +196,8 @@ def gather_counts(cfg, v, what):
     it joins that transport's chain of exchanges and its timeout; otherwise it is an XLA
     collective, behind :mod:`ep_comm.collectives.barrier` between CPU processes (gloo has no timeout)."""
     v = v.astype(jnp.int32)
+    if cfg.num_ranks == 1:  # nothing to gather: no collective in the program (as routes.is_local)
+        return v[None]
     if collectives.resolve_transport(cfg.backend, caller=what)[0] != "mpi":
         return barrier.guard(f"{what} (counts)", cfg.axis_name,
                              lambda a: jax.lax.all_gather(a, cfg.axis_name), v)

@@ -41,8 +41,9 @@ install_wheels() {
 }
 step build && { echo "== build (the package's CMake project, copied in-tree so PYTHONPATH finds it)"
 t0=$(date +%s)
+# (a test build: the selftests compiled in, for the sanitize step and the kernels' tests)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
-  > "$OUT/build.txt" 2>&1 && cmake --build build >> "$OUT/build.txt" 2>&1 \
+  -DEP_COMM_SELFTESTS=ON > "$OUT/build.txt" 2>&1 && cmake --build build >> "$OUT/build.txt" 2>&1 \
   && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
 grep "ep_comm:" "$OUT/build.txt"; echo "built in $(( $(date +%s) - t0 )) s"; }
 "$PY" -c "from ep_comm import collectives; print(collectives.available())" | tee -a "$OUT/gpu.txt"

@@ -109,6 +109,20 @@ def test_layout_names_every_module():
     assert not missing, f"docs/layout.md does not name {missing}"
 
 
+def test_layout_names_every_native_source():
+    """docs/layout.md's `collectives/csrc/` bullet names every native source, header and handler
+    list (`name.ext`), so a new kernel file cannot go unmapped."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    bullet = re.search(r"^- `collectives/csrc/`:(.*?)(?=^- |\Z)", text, re.M | re.S)
+    assert bullet, "docs/layout.md has no bullet for collectives/csrc/"
+    sources = sorted(p for p in (ROOT / "collectives" / "csrc").rglob("*")
+                     if p.suffix in {".cc", ".cu", ".cuh", ".h", ".def"} or p.name == "CMakeLists.txt")
+    assert len(sources) > 20, sources
+    missing = [p.relative_to(ROOT).as_posix() for p in sources
+               if f"`{p.name}`" not in bullet.group(1)]
+    assert not missing, f"docs/layout.md does not name {missing}"
+
+
 # An import of, or `python -m` with, a top-level `collectives` or `topology`: the packages install
 # as ep_comm.collectives and ep_comm.topology, so these names work only where the source tree
 # happens to be on sys.path (an editable install puts it there), not when installed.

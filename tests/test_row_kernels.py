@@ -501,6 +501,17 @@ def test_expert_x_zero_fill_option():
 # --- the kernels against the XLA lowering (GPU) -----------------------------------------------------
 
 @gpu_only
+def test_kernels_selftest_on_malformed_indices():
+    """The kernels outside XLA on malformed indices, targets, keys and routings (what
+    compute-sanitizer runs): compiled into _ep_rows by test builds only (EP_COMM_SELFTESTS)."""
+    from ep_comm.collectives import bootstrap
+    run = getattr(bootstrap.load("rows")[0], "selftest", None)
+    if run is None:
+        pytest.skip("_ep_rows was built without its selftest (cmake -DEP_COMM_SELFTESTS=ON)")
+    assert run() == 0
+
+
+@gpu_only
 @pytest.mark.parametrize("dtype,width", [(jnp.bfloat16, 7168), (jnp.float32, 100),
                                          (jnp.uint8, 7392), (jnp.uint8, 3), (jnp.bfloat16, 6),
                                          (jnp.float32, 16)])

@@ -1,5 +1,5 @@
-"""topology.scale: the scale model's properties, its agreement with CostModel and with the one-GPU
-layer measured on the H200, and its errors."""
+"""topology.scale and scale_study: the scale model's properties, its agreement with CostModel and
+with the one-GPU layer measured on the H200, and its errors."""
 
 import dataclasses
 import json
@@ -11,7 +11,8 @@ import pytest
 
 from ep_comm.topology import CostModel, Link, count_traffic, simulated
 from ep_comm.topology.scale import (H200, H800, LayerSpec, Schedule, counts_from_ids, draw_routing,
-                            layer_time, main, one_gpu, traffic, validate, wire_row_bytes)
+                                    layer_time, traffic, wire_row_bytes)
+from ep_comm.topology.scale_study import main, one_gpu, validate
 from ep_comm.topology.traffic import link_matrix
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -25,7 +25,8 @@ import json
 from typing import Sequence
 
 from ep_comm.topology._checks import positive_int
-from ep_comm.topology.scale import H200, Hardware, LayerSpec, Schedule, _table, layer_time
+from ep_comm.topology.scale import H200, Hardware, LayerSpec, Schedule, layer_time
+from ep_comm.topology.scale_study import _table
 
 ADAM_BYTES = 12  # float32 master weights and two moments per parameter
 

@@ -1,6 +1,6 @@
 """The row kernels of dispatch and combine: the gathers that move token rows by index.
 
-Each primitive here is lowered to a CUDA kernel (``collectives/csrc/row_kernels.cu``, module
+Each primitive here is lowered to a CUDA kernel (``collectives/csrc/row_kernels/``, module
 ``_ep_rows``) on GPUs where it is built, and to XLA everywhere else (:func:`primitive` defines
 that choice once). Each has an XLA *reference* lowering, the definition the kernels equal
 (``tests/test_row_kernels.py`` checks it on the GPU, bitwise for the gathers, scatters and the

@@ -11,9 +11,17 @@ namespace en = ep_comm::nccl;
 
 NB_MODULE(_ep_nccl, m) {
   m.doc() = "ep_comm NCCL transport: XLA FFI handlers (start/done) and communicator registry";
-  m.def("start_handler", []() { return nb::capsule(en::start_handler()); });
-  m.def("done_handler", []() { return nb::capsule(en::done_handler()); });
-  m.def("copy_handler", []() { return nb::capsule(en::copy_handler()); });
+  m.def(
+      "handlers",
+      []() {
+        using namespace ep_comm::nccl;
+        nb::dict table;
+#define EP_COMM_HANDLER(target) EP_COMM_HANDLER_ENTRY(table, target)
+#include "nccl_handlers.def"
+#undef EP_COMM_HANDLER
+        return table;
+      },
+      "{XLA FFI target name: handler capsule} of the NCCL transport.");
   m.def("unique_id", []() {
     std::string id = en::unique_id();
     return nb::bytes(id.data(), id.size());

@@ -6,6 +6,8 @@
 #include <tuple>
 #include <vector>
 
+#include "ffi_handlers.h"
+
 namespace ep_comm::nccl {
 
 // One local member of a communicator: CUDA device ordinal, rank in the group, group size, and the
@@ -25,8 +27,8 @@ void finalize();                                // destroys every communicator
 int built_version();                            // NCCL_VERSION_CODE at build time
 int runtime_version();                          // ncclGetVersion of the loaded library
 
-void* start_handler();
-void* done_handler();
-void* copy_handler();
+#define EP_COMM_HANDLER(target) EP_COMM_DECLARE_HANDLER(target)
+#include "nccl_handlers.def"
+#undef EP_COMM_HANDLER
 
 }  // namespace ep_comm::nccl

@@ -1,5 +1,5 @@
-// What the grouped GEMM's kernels share (grouped_gemm_impl.cuh's pointer-array passes and
-// grouped_gemm_gather.cuh's fused forward): the architecture check, the fused kernels' CTA order
+// What the grouped GEMM's kernels share (impl.cuh's pointer-array passes and
+// gather.cuh's fused forward): the architecture check, the fused kernels' CTA order
 // and the zeroing of the rows past the groups.
 #pragma once
 

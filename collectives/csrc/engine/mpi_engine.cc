@@ -29,6 +29,7 @@
 
 #include "call_shape.h"
 #include "exchange_plan.h"
+#include "ffi_handlers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -257,7 +258,9 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kExchange, Exchange,
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_mpi_exchange, Exchange,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()       // operand
                                   .Arg<ffi::AnyBuffer>()       // output (aliased to the result)
@@ -271,6 +274,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kExchange, Exchange,
                                   .Attr<int64_t>("tag")
                                   .Attr<int64_t>("channel")
                                   .Attr<std::string_view>("label"));
+
+namespace {
 
 void register_comm(int64_t key, intptr_t handle) {
   MPI_Comm comm = comm_from_handle<MPI_Comm>(handle);
@@ -290,7 +295,17 @@ void register_comm(int64_t key, intptr_t handle) {
 
 NB_MODULE(_ep_mpi, m) {
   m.doc() = "ep_comm MPI transport: XLA FFI handler for the ragged exchange on CPU";
-  m.def("handler", []() { return nb::capsule(reinterpret_cast<void*>(ep_comm::kExchange)); });
+  m.def(
+      "handlers",
+      []() {
+        using namespace ep_comm;
+        nb::dict table;
+#define EP_COMM_HANDLER(target) EP_COMM_HANDLER_ENTRY(table, target)
+#include "mpi_handlers.def"
+#undef EP_COMM_HANDLER
+        return table;
+      },
+      "{XLA FFI target name: handler capsule} of the MPI transport.");
   m.def("register_comm", &ep_comm::register_comm, nb::arg("key"), nb::arg("handle"),
         "Make an MPI communicator (mpi4py handle) usable under `key` by the handler.");
   m.def("unregister_comm", [](int64_t key) {

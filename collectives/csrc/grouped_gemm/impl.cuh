@@ -1,5 +1,5 @@
-// The grouped GEMM's kernels and their set-up, shared by grouped_gemm.cu (the handler) and
-// grouped_gemm_{forward,dlhs,drhs}.cu (one pass's CUTLASS kernels each). See grouped_gemm.cu.
+// The grouped GEMM's kernels and their set-up, shared by passes.cu (the handler) and
+// {forward,dlhs,drhs}.cu (one pass's CUTLASS kernels each). See passes.cu.
 #pragma once
 
 // (the FFI header first: a CUTLASS header leaves -Wmissing-field-initializers an error, which
@@ -26,7 +26,7 @@
 #include "cutlass/kernel_hardware_info.h"
 #include "cutlass/util/packed_stride.hpp"
 #include "grouped_gemm.h"
-#include "grouped_gemm_common.cuh"
+#include "common.cuh"
 
 namespace ffi = xla::ffi;
 using namespace cute;
@@ -309,7 +309,7 @@ ffi::Error run_pass(cudaStream_t stream, Memory& mem, int pass, const E* a, cons
   return ffi::Error::Success();
 }
 
-// The operands' layouts of each pass (grouped_gemm.cu's header).
+// The operands' layouts of each pass (passes.cu's header).
 template <int P>
 struct PassLayouts {
   using A = cutlass::layout::RowMajor;

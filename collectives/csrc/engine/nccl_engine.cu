@@ -546,7 +546,7 @@ ffi::Error Copy(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyBuffer /*into*/
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kStart, Start,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_nccl_start, Start,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -565,7 +565,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kStart, Start,
 
 // done takes the start's result and, to keep them alive until the exchange has read them, the
 // workspace, operand and index arrays (their values are not used).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kDone, Done,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_nccl_done, Done,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -576,16 +576,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDone, Done,
                                   .Attr<int64_t>("op_id")
                                   .Attr<std::string_view>("label"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCopy, Copy,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_device_copy, Copy,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()   // src
                                   .Arg<ffi::AnyBuffer>()   // into (aliased to the result)
                                   .Ret<ffi::AnyBuffer>());
-
-void* start_handler() { return reinterpret_cast<void*>(kStart); }
-void* done_handler() { return reinterpret_cast<void*>(kDone); }
-void* copy_handler() { return reinterpret_cast<void*>(kCopy); }
 
 std::string unique_id() {
   ncclUniqueId id;

@@ -2,7 +2,7 @@
 //
 // Route: the C++ headers of the `nvidia-cutlass` wheel (collective builders, the pointer-array
 // grouped kernels with warp-specialized TMA loads and GMMA, cooperative and ping-pong: the tile
-// configs in grouped_gemm_impl.cuh, one picked per call), not CUTLASS's Python DSL: the same XLA FFI + nanobind build as the engine's other kernels, no
+// configs in impl.cuh, one picked per call), not CUTLASS's Python DSL: the same XLA FFI + nanobind build as the engine's other kernels, no
 // JIT at run time, and a module that is compiled once for sm_90a.
 //
 // One handler, three passes over G groups of rows (group g: rows [off_g, off_g + s_g) of the
@@ -20,7 +20,7 @@
 // Rows past the groups (forward, dlhs) are zeroed when zero_tail is set (else left unwritten);
 // drhs writes zeros for empty groups. Malformed group sizes are clamped (a negative size is 0, a
 // group ends at row M at the latest), so no kernel reads or writes outside its buffers.
-#include "grouped_gemm_impl.cuh"
+#include "impl.cuh"
 
 #include "grouped_gemm.h"
 
@@ -162,7 +162,7 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupedGemm, GroupedGemm,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm, GroupedGemm,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // a
@@ -174,8 +174,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGroupedGemm, GroupedGemm,
                                   .Attr<int64_t>("zero_tail")   // forward/dlhs: zero past groups
                                   .Attr<int64_t>("config"));    // tile config (impl header)
 
-void* grouped_gemm_handler() { return reinterpret_cast<void*>(kGroupedGemm); }
 
+#ifdef EP_COMM_SELFTESTS
 // ---- selftest (compute-sanitizer) ---------------------------------------------------------------
 
 namespace {
@@ -290,6 +290,8 @@ long long selftest() {
   cudaStreamDestroy(s);
   return wrong;
 }
+
+#endif  // EP_COMM_SELFTESTS
 
 }  // namespace ep_comm::gemm
 

@@ -1,5 +1,5 @@
 // The grouped GEMM's fused forward kernel (sm_90a): A's rows gathered by index in the
-// prologue, SwiGLU or a per-row scale in the epilogue. See grouped_gemm_gather.cu.
+// prologue, SwiGLU or a per-row scale in the epilogue. See gather.cu.
 //
 // Built from CUTLASS's pieces, not from its kernel: the warp-specialized cp.async + GMMA
 // mainloop collective (the consumer warpgroups' mma and its PipelineAsync), with a producer of
@@ -23,7 +23,7 @@
 #include "cutlass/numeric_types.h"
 #include "cutlass/pipeline/pipeline.hpp"
 #include "cute/atom/copy_traits_sm90_tma.hpp"
-#include "grouped_gemm_common.cuh"
+#include "common.cuh"
 
 namespace ep_comm::gemm::gather {
 

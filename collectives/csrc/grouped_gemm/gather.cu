@@ -1,5 +1,5 @@
 // The grouped GEMM's fused forward pass on Hopper (sm_90a): the kernel in
-// grouped_gemm_gather.cuh, its launch, its XLA FFI handler and its selftest.
+// gather.cuh, its launch, its XLA FFI handler and its selftest.
 //
 //   out[r] = epilogue(x[index[r]] . w[g])   for the rows r of group g (contiguous from row 0)
 //
@@ -12,7 +12,7 @@
 //   router weight of the pair, float32).
 // Rows past the groups are zero with zero_tail (else unwritten). Malformed group sizes are
 // clamped as by the other passes; an index outside [0, X) reads a zero row.
-#include "xla/ffi/api/ffi.h"  // (first: see grouped_gemm_impl.cuh)
+#include "xla/ffi/api/ffi.h"  // (first: see impl.cuh)
 
 #include <algorithm>
 #include <cmath>
@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "grouped_gemm.h"
-#include "grouped_gemm_common.cuh"
-#include "grouped_gemm_gather.cuh"
+#include "common.cuh"
+#include "gather.cuh"
 
 namespace ffi = xla::ffi;
 
@@ -343,7 +343,7 @@ ffi::Error DSwiGLU(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kDSwiGLUHandler, DSwiGLU,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm_dswiglu, DSwiGLU,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // dy (M, K): weighted rows' cotangent
@@ -356,9 +356,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDSwiGLUHandler, DSwiGLU,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // part (M, column tiles)
                                   .Attr<int64_t>("config"));
 
-void* dswiglu_handler() { return reinterpret_cast<void*>(kDSwiGLUHandler); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kDrhsGather, DrhsGather,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm_drhs_gather, DrhsGather,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // x (X, K)
@@ -368,9 +367,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDrhsGather, DrhsGather,
                                   .Ret<ffi::AnyBuffer>()         // out (G, K, N)
                                   .Attr<int64_t>("config"));     // tile config
 
-void* drhs_gather_handler() { return reinterpret_cast<void*>(kDrhsGather); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFused, Fused,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm_fused, Fused,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()         // x (X, K)
@@ -383,8 +381,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFused, Fused,
                                   .Attr<int64_t>("config")       // tile config
                                   .Attr<int64_t>("zero_tail"));  // zero the rows past the groups
 
-void* fused_handler() { return reinterpret_cast<void*>(kFused); }
 
+#ifdef EP_COMM_SELFTESTS
 // ---- selftest (compute-sanitizer) ---------------------------------------------------------------
 
 namespace {
@@ -563,5 +561,7 @@ long long fused_selftest() {
   cudaStreamDestroy(s);
   return wrong;
 }
+
+#endif  // EP_COMM_SELFTESTS
 
 }  // namespace ep_comm::gemm

@@ -1,0 +1,6 @@
+// The drhs pass's CUTLASS kernels (bfloat16 and float16, every tile config): impl.cuh.
+#include "impl.cuh"
+
+namespace ep_comm::gemm::detail {
+EP_COMM_GEMM_INSTANCES(, kDrhs)
+}  // namespace ep_comm::gemm::detail

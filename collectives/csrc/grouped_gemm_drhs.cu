@@ -1,6 +1,0 @@
-// The drhs pass's CUTLASS kernels (bfloat16 and float16, every tile config): grouped_gemm_impl.cuh.
-#include "grouped_gemm_impl.cuh"
-
-namespace ep_comm::gemm::detail {
-EP_COMM_GEMM_INSTANCES(, kDrhs)
-}  // namespace ep_comm::gemm::detail
