@@ -11,7 +11,8 @@ Transports (each a function with ``lax.ragged_all_to_all``'s signature):
 - ``"mpi"``: the same engine on CPUs, over the MPI library mpi4py loads (one device per process,
   under ``mpirun``); it exercises the engine's protocol and error paths without a GPU.
 
-``available()`` says which transports can run on a platform and why the others cannot;
+``available()`` says which transports (and which native kernels: the row kernels, the grouped
+GEMM) can run on a platform and why the others cannot;
 ``resolve_transport(backend, platform)`` turns a user's ``backend=`` (including ``"auto"``)
 into a transport.
 """
@@ -39,10 +40,18 @@ _GPU_PLATFORMS = ("cuda", "gpu")
 _XLA_RAGGED_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
 
 
+# The native kernels that are not transports, by the name available() gives them: their module.
+_KERNELS = {"row_kernels": "rows", "grouped_gemm": "gemm"}
+
+
 def _reason(name: str, platform: str) -> str | None:
-    """None if transport ``name`` can run on ``platform``, else why not."""
+    """None if transport (or native kernel) ``name`` can run on ``platform``, else why not."""
     if name == "portable":
         return None
+    if name in _KERNELS:
+        if platform not in _GPU_PLATFORMS:
+            return f"the {name.replace('_', ' ')} run on CUDA GPUs, not {platform}"
+        return bootstrap.load(_KERNELS[name])[1]
     if name == "xla":
         return (None if platform in _XLA_RAGGED_PLATFORMS else
                 f"XLA:{platform.upper()} does not implement the ragged-all-to-all HLO")
@@ -53,16 +62,20 @@ def _reason(name: str, platform: str) -> str | None:
 
 
 def available(platform: str | None = None) -> dict[str, str | None]:
-    """Which transports run on ``platform`` (default: JAX's default backend).
+    """Which transports run on ``platform`` (default: JAX's default backend), and which of the
+    native kernels that are not transports: ``"row_kernels"`` (dispatch's and combine's CUDA row
+    kernels; elsewhere their XLA lowerings run) and ``"grouped_gemm"`` (the CUTLASS grouped GEMM,
+    Hopper; ``ep_comm.collectives.grouped_gemm.unavailable_reason`` also checks the GPU).
 
-    Returns a dict ``{transport: None if usable else "reason it is not"}``;
-    :func:`auto_choice` says which of them ``backend="auto"`` takes there, and why.
+    Returns a dict ``{name: None if usable else "reason it is not"}``; a part this install was
+    built without names why (the binary wheel, for one, holds no MPI transport).
+    :func:`auto_choice` says which transport ``backend="auto"`` takes there, and why.
     """
     if platform is None:
         import jax
 
         platform = jax.default_backend()
-    return {name: _reason(name, platform) for name in _TRANSPORTS}
+    return {name: _reason(name, platform) for name in (*_TRANSPORTS, *_KERNELS)}
 
 
 def auto_choice(platform: str | None = None) -> tuple[str, str]:

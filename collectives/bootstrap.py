@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import hashlib
 import importlib
+import json
 import os
 import threading
 import warnings
@@ -62,6 +64,19 @@ def _version(code: int) -> str:
     return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 
+@functools.lru_cache(maxsize=None)
+def build_info() -> dict | None:
+    """What the installed native build holds (``_build_info.json``, written by CMake beside the
+    modules): ``built`` (the modules), ``skipped`` ({module: why not}), ``cuda_architectures``,
+    ``selftests``, ``wheel``; None where no build installed one (a source tree without a build)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_info.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def load(name: str):
     """Return ``(module, None)`` for the native transport ``name`` ("mpi" or "nccl"), the row
     kernels ("rows") or the grouped GEMM ("gemm"), or ``(None, reason)`` when it is not usable in
@@ -79,8 +94,9 @@ def load(name: str):
         except ImportError as e:
             what = {"rows": "row kernels are", "gemm": "grouped GEMM (CUTLASS, sm_90a) is"}.get(
                 name, f"{name} transport is")
-            mod, reason = None, (f"the native {what} not built into this install "
-                                 f"({e}); see docs/native_engine.md")
+            skipped = (build_info() or {}).get("skipped", {})
+            why = skipped[name] if name in skipped else f"{e}; see docs/native_engine.md"
+            mod, reason = None, f"the native {what} not built into this install: {why}"
         if reason is not None:
             _reasons[name] = reason
             return None, reason

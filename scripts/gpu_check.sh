@@ -14,7 +14,9 @@
 # and `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
 # (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- tests/lifecycle.py on NCCL -- run when
-# named); nvidia-ml-py is installed from wheels/ when the image
+# named) -- and `wheel` -- the binary wheel from dist/ (scripts/run.sh wheel, carried) in a fresh
+# venv with no nvcc on PATH: what it holds, the GPU tests against it, the layer bench beside the
+# source build's; nvidia-ml-py is installed from wheels/ when the image
 # lacks it. Output tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +46,7 @@ t0=$(date +%s)
 # (a test build: the selftests compiled in, for the sanitize step and the kernels' tests)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
   -DEP_COMM_SELFTESTS=ON > "$OUT/build.txt" 2>&1 && cmake --build build >> "$OUT/build.txt" 2>&1 \
-  && cp build/collectives/csrc/_ep_*.so collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
+  && cp build/collectives/csrc/_ep_*.so build/collectives/csrc/_build_info.json collectives/ || { tail -30 "$OUT/build.txt"; exit 1; }
 grep "ep_comm:" "$OUT/build.txt"; echo "built in $(( $(date +%s) - t0 )) s"; }
 "$PY" -c "from ep_comm import collectives; print(collectives.available())" | tee -a "$OUT/gpu.txt"
 if ! "$PY" -c "import pynvml" 2>/dev/null; then
@@ -150,6 +152,36 @@ if step overlap; then
       --chunk-by tokens,experts --shared-intermediate "$S" --profile "/tmp/$tag" \
       --json "$OUT/$tag.json" 2>&1 | tee "$OUT/$tag.txt"
     "$PY" tools/kernel_summary.py /tmp/"$tag"/* > "$OUT/${tag}_kernels.txt" 2>&1
+  done
+fi
+if step wheel; then
+  echo "== the binary wheel in a fresh venv, no nvcc on PATH (docs/install.md)"
+  whl="$(ls dist/ep_comm-*.whl 2>/dev/null | head -1)"
+  [ -n "$whl" ] || { echo "no dist/ep_comm-*.whl: run scripts/run.sh wheel and carry dist"; exit 1; }
+  wv=/tmp/ep_comm_wheel_venv; rm -rf "$wv"
+  # the image's jax comes from its site-packages (no internet here); ep_comm only from the wheel
+  "$PY" -m venv --system-site-packages "$wv" && "$wv/bin/python" -m pip install -q --no-deps \
+    --no-index "$whl"
+  bare_path="$wv/bin:$(tr : '\n' <<< "$PATH" | grep -v -i cuda | paste -sd:)"
+  repo="$PWD"
+  in_wheel() { (cd /tmp && env -u PYTHONPATH PYTHONSAFEPATH=1 PATH="$bare_path" "$@"); }
+  in_wheel sh -c 'command -v nvcc || echo "nvcc: not on PATH"' | tee "$OUT/wheel.txt"
+  in_wheel python -c "
+import os, ep_comm
+from ep_comm import collectives
+assert not os.path.abspath(ep_comm.__file__).startswith('$repo'), ep_comm.__file__
+print('ep_comm from', os.path.dirname(ep_comm.__file__))
+print('available:', collectives.available())
+print('build:', collectives.bootstrap.build_info())" 2>&1 | tee -a "$OUT/wheel.txt"
+  in_wheel timeout "${WHEEL_TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider \
+    "$repo/tests/test_row_kernels.py" "$repo/tests/test_dispatch_combine.py" "$repo/tests/test_layer.py" \
+    -k "${WHEEL_TESTS:-kernel or cutlass or fused or nccl}" 2>&1 | tail -6 | tee -a "$OUT/wheel.txt"
+  # the layer at the DeepSeek-V3 rank shape, the wheel's and the source build's, one after the other
+  for who in wheel source; do
+    run=("$PY"); [ "$who" = source ] || run=(in_wheel python)
+    ( [ "$who" = source ] || cd /tmp; "${run[@]}" -m ep_comm.benchmarks.layer --tokens 4096 --hidden 7168 \
+      --intermediate 2048 --experts 32 --topk 8 --implementation cutlass --no-xla --parts layer \
+      --json "$OUT/wheel_layer_$who.json" ) 2>&1 | tail -8 | tee "$OUT/wheel_layer_$who.txt"
   done
 fi
 if step lifecycle; then

@@ -8,6 +8,7 @@
 #   scripts/run.sh bench   # the dispatch/combine benchmark on 8 virtual CPU devices
 #   scripts/run.sh docs    # the guide and the API reference (Sphinx) into docs/_build/html
 #   scripts/run.sh setup   # only the test set-up (.venv, OpenMPI), as `test` makes it, forced
+#   scripts/run.sh wheel   # the binary wheel with the native parts, into dist/ (scripts/build_wheel.sh)
 # The set-up is skipped when the last one installed the extras asked for from the same build
 # inputs (install_key); EP_COMM_REINSTALL=1 forces it.
 # Environment: PYTHON (default python3), EP_COMM_VENV (default .venv), EP_COMM_TEST_SEED.
@@ -108,6 +109,9 @@ case "$what" in
   bench)
     setup examples
     exec "$VENV/bin/python" -m ep_comm.benchmarks.dispatch "$@"
+    ;;
+  wheel)
+    exec scripts/build_wheel.sh "$@"
     ;;
   setup)
     need_mpi

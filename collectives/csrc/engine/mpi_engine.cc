@@ -260,20 +260,21 @@ ffi::Error Exchange(ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::Buffer<f
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_mpi_exchange, Exchange,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()       // operand
-                                  .Arg<ffi::AnyBuffer>()       // output (aliased to the result)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // input_offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // send_sizes
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // output_offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_sizes
-                                  .Arg<ffi::AnyBuffer>()  // after: the previous exchange's result
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_key")
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("channel")
-                                  .Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_mpi_exchange, Exchange,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()       // operand
+        .Arg<ffi::AnyBuffer>()       // output (aliased to the result)
+        .Arg<ffi::Buffer<ffi::S32>>()  // input_offsets
+        .Arg<ffi::Buffer<ffi::S32>>()  // send_sizes
+        .Arg<ffi::Buffer<ffi::S32>>()  // output_offsets
+        .Arg<ffi::Buffer<ffi::S32>>()  // recv_sizes
+        .Arg<ffi::AnyBuffer>()  // after: the previous exchange's result
+        .Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("comm_key")
+        .Attr<int64_t>("tag")
+        .Attr<int64_t>("channel")
+        .Attr<std::string_view>("label"));
 
 namespace {
 

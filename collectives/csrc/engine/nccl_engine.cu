@@ -546,42 +546,45 @@ ffi::Error Copy(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyBuffer /*into*/
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_nccl_start, Start,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // operand
-                                  .Arg<ffi::AnyBuffer>()         // output (aliased to result)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // input_offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // send_sizes
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // output_offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_sizes
-                                  .Ret<ffi::AnyBuffer>()         // result
-                                  .Ret<ffi::Buffer<ffi::S64>>()  // workspace (metadata)
-                                  .Attr<int64_t>("comm_key")
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_nccl_start, Start,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()         // operand
+        .Arg<ffi::AnyBuffer>()         // output (aliased to result)
+        .Arg<ffi::Buffer<ffi::S32>>()  // input_offsets
+        .Arg<ffi::Buffer<ffi::S32>>()  // send_sizes
+        .Arg<ffi::Buffer<ffi::S32>>()  // output_offsets
+        .Arg<ffi::Buffer<ffi::S32>>()  // recv_sizes
+        .Ret<ffi::AnyBuffer>()         // result
+        .Ret<ffi::Buffer<ffi::S64>>()  // workspace (metadata)
+        .Attr<int64_t>("comm_key")
+        .Attr<int64_t>("tag")
+        .Attr<int64_t>("op_id")
+        .Attr<std::string_view>("label"));
 
 // done takes the start's result and, to keep them alive until the exchange has read them, the
 // workspace, operand and index arrays (their values are not used).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_nccl_done, Done,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // start's result (aliased to result)
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_key")
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_nccl_done, Done,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()  // start's result (aliased to result)
+        .RemainingArgs()
+        .Ret<ffi::AnyBuffer>()
+        .Attr<int64_t>("comm_key")
+        .Attr<int64_t>("op_id")
+        .Attr<std::string_view>("label"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_device_copy, Copy,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()   // src
-                                  .Arg<ffi::AnyBuffer>()   // into (aliased to the result)
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_device_copy, Copy,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // src
+        .Arg<ffi::AnyBuffer>()   // into (aliased to the result)
+        .Ret<ffi::AnyBuffer>());
 
 std::string unique_id() {
   ncclUniqueId id;

@@ -343,43 +343,46 @@ ffi::Error DSwiGLU(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm_dswiglu, DSwiGLU,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // dy (M, K): weighted rows' cotangent
-                                  .Arg<ffi::AnyBuffer>()         // w (G, N, K): w_out
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
-                                  .Arg<ffi::AnyBuffer>()         // u (M, 2N)
-                                  .Arg<ffi::AnyBuffer>()         // h (M, N)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale (M,): router weights
-                                  .Ret<ffi::AnyBuffer>()         // du (M, 2N)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // part (M, column tiles)
-                                  .Attr<int64_t>("config"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_grouped_gemm_dswiglu, DSwiGLU,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // dy (M, K): weighted rows' cotangent
+        .Arg<ffi::AnyBuffer>()         // w (G, N, K): w_out
+        .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
+        .Arg<ffi::AnyBuffer>()         // u (M, 2N)
+        .Arg<ffi::AnyBuffer>()         // h (M, N)
+        .Arg<ffi::Buffer<ffi::F32>>()  // scale (M,): router weights
+        .Ret<ffi::AnyBuffer>()         // du (M, 2N)
+        .Ret<ffi::Buffer<ffi::F32>>()  // part (M, column tiles)
+        .Attr<int64_t>("config"));
 
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm_drhs_gather, DrhsGather,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // x (X, K)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // index (M,) or (0,)
-                                  .Arg<ffi::AnyBuffer>()         // dy (M, N)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
-                                  .Ret<ffi::AnyBuffer>()         // out (G, K, N)
-                                  .Attr<int64_t>("config"));     // tile config
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_grouped_gemm_drhs_gather, DrhsGather,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // x (X, K)
+        .Arg<ffi::Buffer<ffi::S32>>()  // index (M,) or (0,)
+        .Arg<ffi::AnyBuffer>()         // dy (M, N)
+        .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
+        .Ret<ffi::AnyBuffer>()         // out (G, K, N)
+        .Attr<int64_t>("config"));     // tile config
 
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm_fused, Fused,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // x (X, K)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // index (M,) or (0,)
-                                  .Arg<ffi::AnyBuffer>()         // w (G, K, N)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale (M,) or (0,)
-                                  .Ret<ffi::AnyBuffer>()         // out (M, N) or (M, N / 2)
-                                  .Attr<int64_t>("epilogue")     // 0 store, 1 swiglu, 2 scale
-                                  .Attr<int64_t>("config")       // tile config
-                                  .Attr<int64_t>("zero_tail"));  // zero the rows past the groups
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_grouped_gemm_fused, Fused,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // x (X, K)
+        .Arg<ffi::Buffer<ffi::S32>>()  // index (M,) or (0,)
+        .Arg<ffi::AnyBuffer>()         // w (G, K, N)
+        .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
+        .Arg<ffi::Buffer<ffi::F32>>()  // scale (M,) or (0,)
+        .Ret<ffi::AnyBuffer>()         // out (M, N) or (M, N / 2)
+        .Attr<int64_t>("epilogue")     // 0 store, 1 swiglu, 2 scale
+        .Attr<int64_t>("config")       // tile config
+        .Attr<int64_t>("zero_tail"));  // zero the rows past the groups
 
 
 #ifdef EP_COMM_SELFTESTS

@@ -162,17 +162,18 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_grouped_gemm, GroupedGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // a
-                                  .Arg<ffi::AnyBuffer>()         // b
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
-                                  .Ret<ffi::AnyBuffer>()         // out
-                                  .Ret<ffi::AnyBuffer>()         // workspace (u8, workspace_bytes)
-                                  .Attr<int64_t>("pass")         // 0 forward, 1 dlhs, 2 drhs
-                                  .Attr<int64_t>("zero_tail")   // forward/dlhs: zero past groups
-                                  .Attr<int64_t>("config"));    // tile config (impl header)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_grouped_gemm, GroupedGemm,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // a
+        .Arg<ffi::AnyBuffer>()         // b
+        .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes (G,)
+        .Ret<ffi::AnyBuffer>()         // out
+        .Ret<ffi::AnyBuffer>()         // workspace (u8, workspace_bytes)
+        .Attr<int64_t>("pass")         // 0 forward, 1 dlhs, 2 drhs
+        .Attr<int64_t>("zero_tail")   // forward/dlhs: zero past groups
+        .Attr<int64_t>("config"));    // tile config (impl header)
 
 
 #ifdef EP_COMM_SELFTESTS

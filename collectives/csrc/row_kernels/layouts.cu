@@ -223,32 +223,37 @@ auto routes_binding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_key_count, KeyCount,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // key (M,)
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // counts (chunks, num_keys)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_key_count, KeyCount,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::Buffer<ffi::S32>>()   // key (M,)
+        .Ret<ffi::Buffer<ffi::S32>>());  // counts (chunks, num_keys)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_key_rank, KeyRank,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // key (M,)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // base (chunks, num_keys)
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // (rank, order) (2, M)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_key_rank, KeyRank,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::Buffer<ffi::S32>>()   // key (M,)
+        .Arg<ffi::Buffer<ffi::S32>>()   // base (chunks, num_keys)
+        .Ret<ffi::Buffer<ffi::S32>>());  // (rank, order) (2, M)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_expert_layout, ExpertLayout,
-                              with_layout_rets(ffi::Ffi::Bind()
-                                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                   .Arg<ffi::Buffer<ffi::F32>>()    // route
-                                                   .Arg<ffi::Buffer<ffi::S32>>()    // num_recv
-                                                   .Arg<ffi::Buffer<ffi::S32>>())   // me
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // scratch
-                                  .Attr<int64_t>("zero_fill"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_expert_layout, ExpertLayout,
+    with_layout_rets(ffi::Ffi::Bind()
+                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                         .Arg<ffi::Buffer<ffi::F32>>()    // route
+                         .Arg<ffi::Buffer<ffi::S32>>()    // num_recv
+                         .Arg<ffi::Buffer<ffi::S32>>())   // me
+        .Ret<ffi::Buffer<ffi::S32>>()   // scratch
+        .Attr<int64_t>("zero_fill"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_token_routes, TokenRoutes,
-                              routes_binding().Attr<int64_t>("num_experts"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_token_routes, TokenRoutes,
+    routes_binding().Attr<int64_t>("num_experts"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_local_layout, LocalLayout,
-                              with_layout_rets(routes_binding()).Attr<int64_t>("zero_fill"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_local_layout, LocalLayout,
+    with_layout_rets(routes_binding()).Attr<int64_t>("zero_fill"));
 
 }  // namespace ep_comm::rows

@@ -139,31 +139,35 @@ ffi::Error Empty(ffi::Result<ffi::AnyBuffer> /*out*/, int64_t /*id: keeps calls 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_gather, Gather,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // table (N, ...)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // idx (M,)
-                                  .Ret<ffi::AnyBuffer>());       // out (M, ...)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_gather, Gather,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // table (N, ...)
+        .Arg<ffi::Buffer<ffi::S32>>()  // idx (M,)
+        .Ret<ffi::AnyBuffer>());       // out (M, ...)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_scatter, Scatter,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // table (N, ...)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
-                                  .Ret<ffi::AnyBuffer>()         // out (M, ...)
-                                  .Attr<int64_t>("offset"));     // first byte read of a row
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_scatter, Scatter,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // table (N, ...)
+        .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
+        .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
+        .Ret<ffi::AnyBuffer>()         // out (M, ...)
+        .Attr<int64_t>("offset"));     // first byte read of a row
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_gather_sum, GatherSum,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // table (N, H)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // idx (M, K)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights (M, K)
-                                  .Ret<ffi::AnyBuffer>());       // out (M, H)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_gather_sum, GatherSum,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()         // table (N, H)
+        .Arg<ffi::Buffer<ffi::S32>>()  // idx (M, K)
+        .Arg<ffi::Buffer<ffi::F32>>()  // weights (M, K)
+        .Ret<ffi::AnyBuffer>());       // out (M, H)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_empty, Empty,
-                              ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ep_comm_rows_empty, Empty,
+    ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("id"));
 
 }  // namespace ep_comm::rows
