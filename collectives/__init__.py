@@ -50,7 +50,8 @@ def _reason(name: str, platform: str) -> str | None:
         return None
     if name in _KERNELS:
         if platform not in _GPU_PLATFORMS:
-            return f"the {name.replace('_', ' ')} run on CUDA GPUs, not {platform}"
+            what = {"row_kernels": "row kernels run", "grouped_gemm": "grouped GEMM runs"}[name]
+            return f"the {what} on CUDA GPUs, not {platform}"
         return bootstrap.load(_KERNELS[name])[1]
     if name == "xla":
         return (None if platform in _XLA_RAGGED_PLATFORMS else

@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 PY_VERSION="${PY_VERSION:-3.12}"
 JAX_VERSION="${JAX_VERSION:-0.11.2}"
 CUDA_ARCHS="${CUDA_ARCHS:-80-real;90}"
-WORK="${WORK:-build/wheel}"
+WORK="$(realpath -m "${WORK:-build/wheel}")"
 OUT_DIR="${OUT_DIR:-dist}"
 t0=$SECONDS
 command -v nvcc > /dev/null || { echo "build_wheel: no nvcc (CUDA 13) on PATH"; exit 1; }
@@ -56,9 +56,17 @@ wait "$pid" || { echo "FAILED: the wheel build (the last lines of $WORK/build.lo
 whl="$(ls "$raw"/ep_comm-*.whl)"
 echo "== auditwheel (libnccl.so.2 excluded: the nvidia-nccl-cu13 wheel provides it)"
 rm -f "$OUT_DIR"/ep_comm-*.whl
-"$venv/bin/auditwheel" repair --exclude libnccl.so.2 -w "$OUT_DIR" "$whl" 2>&1 | tail -2
+PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --exclude libnccl.so.2 -w "$OUT_DIR" "$whl" 2>&1 | tail -2
 fixed="$(ls "$OUT_DIR"/ep_comm-*.whl)"
-"$venv/bin/auditwheel" show "$fixed" | tee "$WORK/auditwheel.txt"
+PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" show "$fixed" > "$WORK/auditwheel.txt"
+# `show` cannot exclude a library: it lists libnccl.so.2 as external (the overall tag it names is
+# then linux_x86_64); the tag the symbols allow must be manylinux and libnccl the only external
+PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" show --json "$fixed" | "$venv/bin/python" -c "
+import json, sys
+d = json.load(sys.stdin)
+print('   auditwheel show: symbols allow', d['sym_tag'], '; external libraries:', sorted(d['external_libs']))
+assert d['sym_tag'].startswith('manylinux'), d['sym_tag']
+assert set(d['external_libs']) <= {'libnccl.so.2'}, d['external_libs']"
 echo "== contents"
 "$venv/bin/python" - "$fixed" <<'EOF'
 import json, sys, zipfile
@@ -70,13 +78,17 @@ print("   build:", json.loads(z.read("ep_comm/collectives/_build_info.json")))
 EOF
 echo "== import check on CPU: a fresh venv with the wheel and its dependencies only"
 check="$WORK/check"; rm -rf "$check"; "$py" -m venv "$check"
-"$check/bin/python" -m pip install -q "$fixed" 2>&1 | grep -v "^WARNING: Location" || true
+"$check/bin/python" -m pip install -q "$fixed[cuda13]" 2>&1 | grep -v "^WARNING: Location" || true
 (cd /tmp && "$check/bin/python" -c "
 import ep_comm, os
 from ep_comm import collectives
-assert '$PWD' not in os.path.abspath(ep_comm.__file__), ep_comm.__file__
+from ep_comm.collectives import bootstrap
+assert not os.path.abspath(ep_comm.__file__).startswith('$PWD/'), ep_comm.__file__
 print('   ep_comm from', os.path.dirname(ep_comm.__file__))
 print('   available:', collectives.available())
-print('   build:', collectives.bootstrap.build_info())
+for name in bootstrap.build_info()['built']:  # each module loads here (no GPU needed for that)
+    mod, why = bootstrap.load(name)
+    assert mod is not None, (name, why)
+    print(f'   {mod.__name__}: loads, {len(mod.handlers())} XLA FFI handlers')
 ")
 echo "== $fixed ($(du -h "$fixed" | cut -f1)) in $((SECONDS - t0)) s"

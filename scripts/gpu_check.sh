@@ -43,6 +43,8 @@ install_wheels() {
 }
 step build && { echo "== build (the package's CMake project, copied in-tree so PYTHONPATH finds it)"
 t0=$(date +%s)
+# the carried wheels first: with nvidia-cutlass among them the build holds the grouped GEMM too
+install_wheels
 # (a test build: the selftests compiled in, for the sanitize step and the kernels' tests)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
   -DEP_COMM_SELFTESTS=ON > "$OUT/build.txt" 2>&1 && cmake --build build >> "$OUT/build.txt" 2>&1 \
