@@ -43,9 +43,9 @@ lowering its ``kernel`` parameter picks.
 
 from __future__ import annotations
 
-from ep_comm.collectives.row_kernels.primitive import (LOWERINGS, empty, reference_only,
+from ep_comm.collectives.row_kernels.primitive import (LOWERINGS, reference_only,
                                                        unavailable_reason, xla_only)
-from ep_comm.collectives.row_kernels.moves import gather, gather_sum, scatter
+from ep_comm.collectives.row_kernels.moves import empty, gather, gather_sum, scatter
 from ep_comm.collectives.row_kernels.layouts import (MAX_RANK_KEYS, RANK_CHUNK, ExpertLayout,
                                                      TokenRoutes, expert_layout, key_counts,
                                                      key_ranks, local_layout, local_layout_fits,

@@ -1,7 +1,7 @@
 """The FP8 wire's codecs: the formats' math in XLA (:func:`quantize_blocks`,
 :func:`dequantize_blocks`) and the scatters that quantize or dequantize rows on the way
 (:func:`scatter_dequant`, :func:`scatter_fake_quant`, :func:`scatter_quant`;
-``collectives/csrc/rows/fp8.cu``)."""
+``collectives/csrc/row_kernels/fp8.cu``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The layouts of dispatch: :func:`rank_by_key` (a stable counting sort), :func:`token_routes`
 (the sender's side), :func:`expert_layout` (the receiver's side) and :func:`local_layout` (one
-rank: both in one launch) (``collectives/csrc/rows/layouts.cu``)."""
+rank: both in one launch) (``collectives/csrc/row_kernels/layouts.cu``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""The row moves of dispatch and combine: :func:`gather`, :func:`scatter` and :func:`gather_sum`
-(``collectives/csrc/rows/moves.cu``)."""
+"""The row moves of dispatch and combine: :func:`gather`, :func:`scatter`, :func:`gather_sum` and
+:func:`empty` (``collectives/csrc/row_kernels/moves.cu``)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -301,3 +302,24 @@ ad.primitive_jvps[gather_sum_p] = _gather_sum_jvp
 ad.primitive_transposes[gather_sum_p] = _gather_sum_transpose
 
 
+# --- empty ----------------------------------------------------------------------------------------
+
+_empty_ids = itertools.count(1)
+
+
+def empty(shape, dtype):
+    """A ``shape`` buffer of ``dtype`` whose values are unspecified (GPU kernels: not written;
+    XLA: NaN, or all bits set for integers). Each call is a distinct buffer."""
+    shape = tuple(int(d) for d in shape)
+    return empty_p.bind(shape=shape, dtype=np.dtype(dtype), uid=next(_empty_ids),
+                        kernel=lowering())
+
+
+def _empty_reference(*, shape, dtype, uid=None, kernel=None):
+    return jnp.full(shape, poison(dtype))
+
+
+empty_p = primitive(
+    "ep_comm_rows_empty", _empty_reference,
+    lambda *, shape, dtype, uid, kernel: jax.core.ShapedArray(shape, dtype),
+    ("shape", "dtype", "uid", "kernel"), ffi_attrs=lambda *, uid, **_: dict(id=np.int64(uid)))

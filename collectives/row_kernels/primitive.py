@@ -1,12 +1,10 @@
 """How a row kernel is one JAX primitive: the lowering it takes (CUDA kernel, fast XLA or
-reference XLA) and its rules, defined once (:func:`primitive`); and :func:`empty`, a receive
-buffer left uninitialised on GPUs."""
+reference XLA) and its rules, defined once (:func:`primitive`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 
 import jax
@@ -131,29 +129,6 @@ def primitive(name, reference, abstract, static, ffi_attrs=lambda **params: {},
     mlir.register_lowering(p, xla)
     mlir.register_lowering(p, cuda, platform="cuda")
     return p
-
-
-# --- empty ----------------------------------------------------------------------------------------
-
-_empty_ids = itertools.count(1)
-
-
-def empty(shape, dtype):
-    """A ``shape`` buffer of ``dtype`` whose values are unspecified (GPU kernels: not written;
-    XLA: NaN, or all bits set for integers). Each call is a distinct buffer."""
-    shape = tuple(int(d) for d in shape)
-    return empty_p.bind(shape=shape, dtype=np.dtype(dtype), uid=next(_empty_ids),
-                        kernel=lowering())
-
-
-def _empty_reference(*, shape, dtype, uid=None, kernel=None):
-    return jnp.full(shape, poison(dtype))
-
-
-empty_p = primitive(
-    "ep_comm_rows_empty", _empty_reference,
-    lambda *, shape, dtype, uid, kernel: jax.core.ShapedArray(shape, dtype),
-    ("shape", "dtype", "uid", "kernel"), ffi_attrs=lambda *, uid, **_: dict(id=np.int64(uid)))
 
 
 def _registered() -> bool:
