@@ -13,7 +13,9 @@ Per shape (T tokens, top-K of E experts on one rank, bf16):
    the fastest per pass goes into ``ep_comm.gemm.MEGABLOX_TILINGS`` for step 3 and the JSON;
 3. the layer, forward and forward+backward: dense einsums (the ceiling), the plain layer on
    megablox at MaxText's tiling and at the tuned one, ``moe_layer`` on megablox (tuned). Every
-   row: us, TFLOP/s (the layer's 6 T K H I FLOPs forward, 3x that forward+backward) and x dense.
+   row: us, TFLOP/s (the layer's 6 T K H I FLOPs forward, 3x that forward+backward) and x dense;
+4. with ``--profile DIR``: each layer's forward and forward+backward traced (3 calls), its device
+   time split into the GEMMs and the rest, the rest's longest ops by name.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import time
 
 import jax
@@ -29,7 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
-from ep_comm.benchmarks.timing import median_us
+from ep_comm.benchmarks.timing import median_us, profile_split
 from ep_comm import gemm
 from ep_comm.benchmarks.plain import plain_layer
 from ep_comm.benchmarks.reference import dense_experts
@@ -134,7 +137,7 @@ def dense(x, ids, w, w_in, w_out):
     return dense_experts(xs, w_in, w_out).reshape(K, T, -1).sum(0).astype(x.dtype)
 
 
-def layer_rows(rng, T, K, E, H, I, iters):
+def layer_rows(rng, T, K, E, H, I, iters, profile=None):
     ids, w, _ = routed(rng, T, K, E)
     x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
     w_in = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
@@ -177,6 +180,13 @@ def layer_rows(rng, T, K, E, H, I, iters):
                              fwd_tflops=flops / t_f / 1e12, fwd_bwd_tflops=3 * flops / t_b / 1e12,
                              max_rel_err=err))
             print(f"   {name}: fwd {1e6 * t_f:.0f} us, fwd+bwd {1e6 * t_b:.0f} us", flush=True)
+            if profile:
+                tag = "".join(c if c.isalnum() else "_" for c in name)[:40]
+                args = (x, ids, w, w_in, w_out)
+                rows[-1]["fwd_split"] = profile_split(os.path.join(profile, tag + "_fwd"), fwd,
+                                                      args, f"{name} forward")
+                rows[-1]["fwd_bwd_split"] = profile_split(os.path.join(profile, tag + "_bwd"),
+                                                          grad, args, f"{name} fwd+bwd")
     d = rows[0]
     ref = next(r for r in rows if "MaxText" in r["impl"])
     for r in rows:
@@ -201,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true",
                     help="the layer with ep_comm.gemm.MEGABLOX_TILINGS as it stands")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None,
+                    help="trace each layer into this folder and split its device time")
     args = ap.parse_args(argv)
     T, K, E, H, I = args.tokens, args.topk, args.experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)
@@ -223,7 +235,7 @@ def main(argv=None):
                   f"{len(r['tried'])} tried", flush=True)
     report["tilings"] = {f"{p},{k},{n}": list(t) for (p, k, n), t in
                          gemm.MEGABLOX_TILINGS.items()}
-    report["layer"] = layer_rows(rng, T, K, E, H, I, args.iters)
+    report["layer"] = layer_rows(rng, T, K, E, H, I, args.iters, args.profile)
     print(f"{'layer':52s} {'fwd us':>9s} {'x dense':>8s} {'x MaxText':>10s} {'fwd+bwd us':>11s} "
           f"{'x dense':>8s} {'x MaxText':>10s} {'rel err':>8s}")
     for r in report["layer"]:

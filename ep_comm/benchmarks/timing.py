@@ -97,9 +97,9 @@ def emit(reports, table_fn, json_path=None) -> list:
 
 
 def trace_kernels(folder):
-    """The GPU kernels of the newest JAX profiler trace under ``folder``: a list of dicts with
-    ``name``, ``ts``, ``dur`` (us) and ``stream`` (the trace's thread name), or ``None`` when there
-    is no trace there."""
+    """The device kernels of the newest JAX profiler trace under ``folder`` (a GPU's streams, a
+    TPU's "XLA Ops" line): a list of dicts with ``name``, ``ts``, ``dur`` (us) and ``stream`` (the
+    trace's thread name), or ``None`` when there is no trace there."""
     files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))
     if not files:
         return None
@@ -110,7 +110,11 @@ def trace_kernels(folder):
     return [dict(name=e["name"], ts=e["ts"], dur=e["dur"], stream=names[(e["pid"], e["tid"])],
                  file=os.path.relpath(files[-1], folder))
             for e in events if e.get("ph") == "X"
-            and "Stream" in names.get((e.get("pid"), e.get("tid")), "")]
+            and _device_lane(names.get((e.get("pid"), e.get("tid")), ""))]
+
+
+def _device_lane(thread: str) -> bool:
+    return "Stream" in thread or thread == "XLA Ops"
 
 
 def temp_bytes(fn, args):
@@ -124,7 +128,8 @@ def gib(n):
 
 def is_gemm_kernel(k):
     return any(s in k["name"].lower() for s in (
-        "ragged", "gemm", "nvjet", "cutlass", "matmul", "sm90", "wgmma", "dot"))
+        "ragged", "gemm", "nvjet", "cutlass", "matmul", "sm90", "wgmma", "dot", "gmm",
+        "convolution"))
 
 def traced_kernels(folder, fn, args):
     """The GPU kernels of 3 calls of ``fn`` (after one untraced call), from a profiler trace
@@ -137,8 +142,9 @@ def traced_kernels(folder, fn, args):
     return trace_kernels(folder)
 
 def profile_split(folder, fn, args, label):
-    """GPU kernel time of one call from a profiler trace: GEMM kernels vs the rest (the eight
-    longest others by name), printed under ``label``."""
+    """Device kernel time of one call from a profiler trace: GEMM kernels (megablox's gmm and
+    tgmm, XLA's convolutions on a TPU) vs the rest (the eight longest others by name), printed
+    under ``label``."""
     kernels = traced_kernels(folder, fn, args)
     if kernels is None:
         print(f"  {label}: no trace under {folder}", flush=True)
@@ -150,7 +156,7 @@ def profile_split(folder, fn, args, label):
         if not is_gemm_kernel(k):
             top[k["name"][:50]] = top.get(k["name"][:50], 0) + k["dur"] / 3
     top = sorted(top.items(), key=lambda kv: -kv[1])[:8]
-    print(f"  {label}: GPU kernels {total:.0f} us, GEMMs {gemm:.0f} us, the rest "
+    print(f"  {label}: device kernels {total:.0f} us, GEMMs {gemm:.0f} us, the rest "
           f"{total - gemm:.0f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in top), flush=True)
     return dict(kernel_us=total, gemm_us=gemm, other_us=total - gemm,
                 top_other={k: round(v, 1) for k, v in top})
