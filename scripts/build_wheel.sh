@@ -79,11 +79,12 @@ EOF
 echo "== import check on CPU: a fresh venv with the wheel and its dependencies only"
 check="$WORK/check"; rm -rf "$check"; "$py" -m venv "$check"
 "$check/bin/python" -m pip install -q "$fixed[cuda13]" 2>&1 | grep -v "^WARNING: Location" || true
+repo="$PWD"
 (cd /tmp && "$check/bin/python" -c "
 import ep_comm, os
 from ep_comm import collectives
 from ep_comm.collectives import bootstrap
-assert not os.path.abspath(ep_comm.__file__).startswith('$PWD/'), ep_comm.__file__
+assert not os.path.abspath(ep_comm.__file__).startswith('$repo/ep_comm/'), ep_comm.__file__
 print('   ep_comm from', os.path.dirname(ep_comm.__file__))
 print('   available:', collectives.available())
 for name in bootstrap.build_info()['built']:  # each module loads here (no GPU needed for that)

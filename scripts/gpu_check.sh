@@ -171,7 +171,7 @@ if step wheel; then
   in_wheel python -c "
 import os, ep_comm
 from ep_comm import collectives
-assert not os.path.abspath(ep_comm.__file__).startswith('$repo'), ep_comm.__file__
+assert not os.path.abspath(ep_comm.__file__).startswith('$repo/ep_comm/'), ep_comm.__file__
 print('ep_comm from', os.path.dirname(ep_comm.__file__))
 print('available:', collectives.available())
 print('build:', collectives.bootstrap.build_info())" 2>&1 | tee -a "$OUT/wheel.txt"
