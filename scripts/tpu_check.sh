@@ -7,18 +7,21 @@
 #   layer    ep_comm.benchmarks.layer's layer at T=4096, H=2048, I=1024, top-8 of 32, and at a
 #            DeepSeek-V3-like rank (H=7168, I=2048), with lax.ragged_dot, moe_layer beside the
 #            plain JAX layer with the same GEMM;
+#   megablox the layer on megablox (tools/tpu_megablox.py, the tilings of ep_comm.gemm's table, no
+#            sweep): moe_layer beside the plain layer at MaxText's tiling and the dense einsums,
+#            both shapes, each layer's device time split into GEMMs and the rest (--profile);
 #   tokamax  (when named, and .whl-tpu/ holds tokamax and its wheels: README's recipe with
 #            --python-version 3.11; flax and the rest from the machine's own index) the layer
 #            again with grouped_matmul's default, tokamax's Mosaic TPU kernel on both sides;
 #   tests    the suite on the chip, one process (TESTS picks files; TEST_TIMEOUT bounds it), last.
-# STEPS picks steps (default info,tests,bench,layer). Tables and JSON land in ${OUT:-out}/.
+# STEPS picks steps (default info,tests,bench,layer,megablox). Tables and JSON land in ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 . scripts/source_tree.sh  # the installed layout of the source tree on PYTHONPATH
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-STEPS=",${STEPS:-info,tests,bench,layer},"
+STEPS=",${STEPS:-info,tests,bench,layer,megablox},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 quiet() { grep -v -i "hugepage\|warnings.warn"; }
 step info && "$PY" -c "
@@ -46,6 +49,15 @@ if step layer; then
   echo "== layer, lax.ragged_dot on both sides" && layer ragged_dot --implementation xla
   echo "== layer at a DeepSeek-V3-like rank (H=7168, I=2048, top-8 of 32), lax.ragged_dot"
   layer H7168_ragged_dot --implementation xla --hidden 7168 --intermediate 2048
+fi
+if step megablox; then
+  for shape in "2048 1024" "7168 2048"; do
+    read -r H I <<< "$shape"
+    echo "== layer on megablox, H=$H, I=$I (moe_layer, the plain layer at MaxText's tiling, dense)"
+    "$PY" tools/tpu_megablox.py --hidden "$H" --intermediate "$I" --no-sweep \
+      --profile "/tmp/megablox_H$H" --json "$OUT/megablox_H$H.json" 2>&1 | quiet \
+      | tee "$OUT/megablox_H$H.txt" | tail -30
+  done
 fi
 if step tokamax; then
   echo "== layer, tokamax's Mosaic TPU kernel on both sides"
