@@ -83,5 +83,15 @@ __device__ __forceinline__ bool any_target(const int32_t* p, int K, int64_t m) {
   return any;
 }
 
+// The operands every scatter's handler takes (scatter, scatter_dequant, scatter_fake_quant,
+// scatter_quant): the table rows, each row's K target rows and the rows to zero.
+inline auto scatter_operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()          // table (N, ...): rows (FP8 wire rows: uint8 bytes)
+      .Arg<ffi::Buffer<ffi::S32>>()   // pos (N, K)
+      .Arg<ffi::Buffer<ffi::S32>>();  // fill (F,)
+}
+
 }  // namespace
 }  // namespace ep_comm::rows

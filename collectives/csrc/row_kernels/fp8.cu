@@ -433,38 +433,27 @@ ffi::Error ScatterQuant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<f
 
 }  // namespace
 
+// (block: values per scale; mx: 1 for E8M0 scales, 0 for float32)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ep_comm_rows_scatter_dequant, ScatterDequant,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()         // table (N, row bytes) uint8
-        .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
-        .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
-        .Ret<ffi::AnyBuffer>()         // out (M, H)
-        .Attr<int64_t>("block")        // values per scale
-        .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
+    scatter_operands()
+        .Ret<ffi::AnyBuffer>()  // out (M, H)
+        .Attr<int64_t>("block")
+        .Attr<int64_t>("mx"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ep_comm_rows_scatter_fake_quant, ScatterFakeQuant,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()         // table (N, H)
-        .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
-        .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
-        .Ret<ffi::AnyBuffer>()         // out (M, H)
-        .Attr<int64_t>("block")        // values per scale
-        .Attr<int64_t>("mx"));         // 1: E8M0 scales, 0: float32
+    scatter_operands()
+        .Ret<ffi::AnyBuffer>()  // out (M, H)
+        .Attr<int64_t>("block")
+        .Attr<int64_t>("mx"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ep_comm_rows_scatter_quant, ScatterQuant,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()          // table (N, H)
-        .Arg<ffi::Buffer<ffi::S32>>()   // pos (N, K)
-        .Arg<ffi::Buffer<ffi::S32>>()   // fill (F,)
-        .Ret<ffi::Buffer<ffi::U8>>()    // values (M, H)
-        .Ret<ffi::Buffer<ffi::U8>>()    // scales (M, scale bytes)
-        .Attr<int64_t>("block")         // values per scale
-        .Attr<int64_t>("mx"));          // 1: E8M0 scales, 0: float32
+    scatter_operands()
+        .Ret<ffi::Buffer<ffi::U8>>()  // values (M, H)
+        .Ret<ffi::Buffer<ffi::U8>>()  // scales (M, scale bytes)
+        .Attr<int64_t>("block")
+        .Attr<int64_t>("mx"));
 
 }  // namespace ep_comm::rows

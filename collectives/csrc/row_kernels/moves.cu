@@ -149,13 +149,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ep_comm_rows_scatter, Scatter,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()         // table (N, ...)
-        .Arg<ffi::Buffer<ffi::S32>>()  // pos (N, K)
-        .Arg<ffi::Buffer<ffi::S32>>()  // fill (F,)
-        .Ret<ffi::AnyBuffer>()         // out (M, ...)
-        .Attr<int64_t>("offset"));     // first byte read of a row
+    scatter_operands()
+        .Ret<ffi::AnyBuffer>()      // out (M, ...)
+        .Attr<int64_t>("offset"));  // first byte read of a row
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ep_comm_rows_gather_sum, GatherSum,
