@@ -69,12 +69,15 @@ def build_info() -> dict | None:
     """What the installed native build holds (``_build_info.json``, written by CMake beside the
     modules): ``built`` (the modules), ``skipped`` ({module: why not}), ``cuda_architectures``,
     ``selftests``, ``wheel``; None where no build installed one (a source tree without a build)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_info.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    # (each folder of the package: an editable install keeps the built files apart from the
+    # sources)
+    for folder in importlib.import_module(__package__).__path__:
+        try:
+            with open(os.path.join(folder, "_build_info.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def load(name: str):

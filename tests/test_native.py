@@ -224,3 +224,35 @@ def test_built_engines_report_their_libraries():
             assert mod.library_version().strip() == MPI.Get_library_version().strip()
         else:
             assert mod.built_version() >= 22800 and mod.runtime_version() >= 22800
+
+
+def test_available_names_the_native_kernels_and_why_a_build_left_a_part_out(monkeypatch):
+    """``available()`` covers the row kernels and the grouped GEMM beside the transports; a module
+    the build left out is reported with the reason its ``_build_info.json`` gives (the binary
+    wheel's MPI transport, for one), each module's XLA FFI handlers listed by ``handlers()``."""
+    avail = collectives.available()
+    assert {"portable", "xla", "mpi", "nccl", "row_kernels", "grouped_gemm"} == set(avail)
+    if jax.default_backend() == "cpu":
+        assert avail["row_kernels"] == "the row kernels run on CUDA GPUs, not cpu"
+        assert avail["grouped_gemm"] == "the grouped GEMM runs on CUDA GPUs, not cpu"
+    info = bootstrap.build_info()
+    if info is not None:  # what an install built, it loads, with its handler table
+        assert set(info) == {"built", "skipped", "cuda_architectures", "selftests", "wheel"}
+        for name in info["built"]:
+            mod, why = bootstrap.load(name)
+            if mod is not None:
+                assert mod.handlers() and all(t.startswith("ep_comm_") for t in mod.handlers())
+    import importlib
+
+    def missing(name, *args):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(bootstrap, "_modules", {})
+    monkeypatch.setattr(bootstrap, "_reasons", {})
+    monkeypatch.setattr(bootstrap, "build_info",
+                        lambda: {"built": [], "skipped": {"gemm": "left out for this test"}})
+    monkeypatch.setattr(importlib, "import_module", missing)
+    assert bootstrap.load("gemm") == (None, "the native grouped GEMM (CUTLASS, sm_90a) is not built "
+                                            "into this install: left out for this test")
+    assert bootstrap.load("rows")[1].startswith(
+        "the native row kernels are not built into this install: No module named")
