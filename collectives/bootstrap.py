@@ -141,19 +141,15 @@ def register_targets(name: str) -> None:
     with _lock:
         if name in _registered:
             return
+        # The row kernels launch shape-determined work and never wait on the host: XLA may put
+        # them in its CUDA graphs (one launch for many kernels). Not the others: the GEMM runs
+        # CUTLASS's host-side initialize on every call; the NCCL engine's start and done wait on
+        # the host.
+        platform = "cpu" if name == "mpi" else "CUDA"
+        traits = command_buffer_traits() if name == "rows" else {}
         # each module lists its handlers once (csrc/*/handlers.def); handlers() returns them
         for target, capsule in mod.handlers().items():
-            if name == "mpi":
-                jax.ffi.register_ffi_target(target, capsule, platform="cpu")
-            elif name == "rows":
-                # the row kernels launch shape-determined work and never wait on the host:
-                # XLA may put them in its CUDA graphs (one launch for many kernels)
-                jax.ffi.register_ffi_target(target, capsule, platform="CUDA",
-                                            **command_buffer_traits())
-            else:
-                # not in CUDA graphs: the GEMM runs CUTLASS's host-side initialize on every call;
-                # the NCCL engine's start and done wait on the host
-                jax.ffi.register_ffi_target(target, capsule, platform="CUDA")
+            jax.ffi.register_ffi_target(target, capsule, platform=platform, **traits)
         _registered.add(name)
 
 

@@ -17,6 +17,7 @@
 # ("80-real;90"), WORK (build/wheel), OUT_DIR (dist). On the 2-core CPU machine: docs/install.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/follow_build.sh
 PY_VERSION="${PY_VERSION:-3.12}"
 JAX_VERSION="${JAX_VERSION:-0.11.2}"
 CUDA_ARCHS="${CUDA_ARCHS:-80-real;90}"
@@ -40,19 +41,12 @@ echo "== build tools into $venv ($("$venv/bin/python" -V), jax $JAX_VERSION head
   | grep -v "^WARNING: Location" || true
 raw="$WORK/raw"; rm -rf "$raw"
 echo "== compiling (build directory $WORK/cmake; the GEMM's CUTLASS kernels take most of it)"
-PATH="$venv/bin:$PATH" "$venv/bin/python" -m pip wheel -v --no-build-isolation --no-deps -w "$raw" \
+follow_build "the wheel build" "$WORK/build.log" "$t0" env PATH="$venv/bin:$PATH" \
+  "$venv/bin/python" -m pip wheel -v --no-build-isolation --no-deps -w "$raw" \
   --config-settings=wheel.py-api=cp312 \
   --config-settings=build-dir="$WORK/cmake" \
   --config-settings=cmake.define.EP_COMM_WHEEL=ON \
-  --config-settings="cmake.define.CMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHS" . > "$WORK/build.log" 2>&1 &
-pid=$!
-tail -n +1 -f --pid="$pid" "$WORK/build.log" | while IFS= read -r line; do
-  case "$line" in
-    *"] Building "*|*"] Linking "*|*"CMake Error"*|*" error: "*|*"ep_comm: "*)
-      printf '   %4d s  %s\n' $((SECONDS - t0)) "${line##*] }" ;;
-  esac
-done
-wait "$pid" || { echo "FAILED: the wheel build (the last lines of $WORK/build.log):"; tail -30 "$WORK/build.log"; exit 1; }
+  --config-settings="cmake.define.CMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHS" . || exit 1
 whl="$(ls "$raw"/ep_comm-*.whl)"
 echo "== auditwheel (libnccl.so.2 excluded: the nvidia-nccl-cu13 wheel provides it)"
 rm -f "$OUT_DIR"/ep_comm-*.whl

@@ -30,8 +30,11 @@ STEPS=",${STEPS:-build,tests,exchange,dispatch,topology},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-# the wheels carried in .whl/ (tokamax and its needs, nvidia-cutlass), after the image's own jax
+# the wheels carried in .whl/ (tokamax and its needs, nvidia-cutlass), after the image's own jax;
+# once per run (the build step and the steps that need tokamax all call it)
 install_wheels() {
+  [ -z "${wheels_installed:-}" ] || return 0
+  wheels_installed=1
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/ep_comm_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/ep_comm_site:$PWD/.gpu"

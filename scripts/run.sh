@@ -14,6 +14,7 @@
 # Environment: PYTHON (default python3), EP_COMM_VENV (default .venv), EP_COMM_TEST_SEED.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/follow_build.sh
 what="${1:-demo}"; shift || true
 PY="${PYTHON:-python3}"
 VENV="${EP_COMM_VENV:-.venv}"
@@ -68,21 +69,9 @@ setup() {
   "$VENV/bin/python" -m pip install -q "${build_deps[@]}"
   # A persistent build directory (build/, ignored): CMake rebuilds only what changed. The build's
   # steps show as they run, with the time so far.
-  local log="$VENV/.ep_comm_install.log"
-  "$VENV/bin/python" -m pip install -v --no-build-isolation \
-    --config-settings=build-dir=build/{wheel_tag} -e ".[$extras]" > "$log" 2>&1 &
-  local pid=$!
-  tail -n +1 -f --pid="$pid" "$log" | while IFS= read -r line; do
-    case "$line" in
-      *"] Building "*|*"] Linking "*|*"CMake Error"*|*" error: "*)
-        printf '   %4d s  %s\n' $((SECONDS - t0)) "${line##*] }" ;;
-    esac
-  done
-  if ! wait "$pid"; then
-    echo "FAILED: pip install -e .[$extras] (the last lines of $log):"
-    tail -30 "$log"
-    return 1
-  fi
+  follow_build "pip install -e .[$extras]" "$VENV/.ep_comm_install.log" "$t0" \
+    "$VENV/bin/python" -m pip install -v --no-build-isolation \
+    --config-settings=build-dir=build/{wheel_tag} -e ".[$extras]" || return 1
   "$VENV/bin/python" -c "from ep_comm import collectives; print('   transports:', collectives.available())"
   echo "$key $extras" > "$stamp"
   echo "== set-up took $((SECONDS - t0)) s"

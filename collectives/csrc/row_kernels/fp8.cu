@@ -433,20 +433,21 @@ ffi::Error ScatterQuant(cudaStream_t stream, ffi::AnyBuffer table, ffi::Buffer<f
 
 }  // namespace
 
-// (block: values per scale; mx: 1 for E8M0 scales, 0 for float32)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ep_comm_rows_scatter_dequant, ScatterDequant,
-    scatter_operands()
-        .Ret<ffi::AnyBuffer>()  // out (M, H)
-        .Attr<int64_t>("block")
-        .Attr<int64_t>("mx"));
+namespace {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ep_comm_rows_scatter_fake_quant, ScatterFakeQuant,
-    scatter_operands()
-        .Ret<ffi::AnyBuffer>()  // out (M, H)
-        .Attr<int64_t>("block")
-        .Attr<int64_t>("mx"));
+// scatter_dequant's and scatter_fake_quant's binding: one out (M, H) in its dtype; block: values
+// per scale; mx: 1 for E8M0 scales, 0 for float32
+auto dequantized_scatter_binding() {
+  return scatter_operands().Ret<ffi::AnyBuffer>().Attr<int64_t>("block").Attr<int64_t>("mx");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_scatter_dequant, ScatterDequant,
+                              dequantized_scatter_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_comm_rows_scatter_fake_quant, ScatterFakeQuant,
+                              dequantized_scatter_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ep_comm_rows_scatter_quant, ScatterQuant,
