@@ -49,9 +49,13 @@ class EPConfig:
         ``"warn"`` (an ``ep_comm.overflow.EPInvalidIdsWarning`` once per program, with the count,
         the first bad id and the rank that saw it), ``"raise"`` (``EPOverflowError`` at run time,
         as ``overflow="raise"``) or ``"ignore"`` (counted in the handle only). Default ``None``:
-        ``"raise"`` with ``overflow="raise"``, else ``"warn"``. Checking costs a step without bad
-        ids a ``lax.cond`` on counts dispatch gathers anyway; the host callback runs only when an
-        id is bad.
+        ``"raise"`` with ``overflow="raise"``, else ``"warn"``. On the device the check is a
+        ``lax.cond`` on counts dispatch gathers anyway (its host callback runs only when an id
+        is bad), but a program holding a host callback costs each call host time even when it
+        does not run: 2.0-2.2 ms per ``moe_layer`` call on a TPU v5e at T=4096, 7-11% of the
+        layer's forward (``tools/ids_check_probe.py``, docs/performance.md). Ids from
+        ``lax.top_k`` over ``num_experts`` scores cannot be out of range: ``"ignore"`` then
+        (as ``ep_comm.nnx.MoE`` does for its own router).
       combine_dtype: dtype of the partial sums sent back by combine (default ``None``: the dtype
         of ``expert_y``). ``"float32"`` makes bf16 combine exact up to one final rounding, at twice
         the bytes.

@@ -32,11 +32,15 @@ a GEMM whose contracting dimension is ragged). Implementations:
   ``docs/performance.md``; ``EP_COMM_AUTO_CUTLASS=0`` opts out); otherwise on a GPU backend
   with 16-bit dtypes ``"tokamax"`` when its kernel imports, else ``"xla"``. Where a GPU with
   16-bit dtypes falls back from ``"cutlass"`` (not Hopper, the module not built, a shape it does
-  not take), ep_comm's logger says why, once per reason. On TPUs ``"auto"`` is ``"xla"``: on a
-  v5e XLA:TPU's own ragged dot ran the layer 6.6x faster than tokamax 0.0.12's Mosaic TPU
-  kernel with its untuned heuristics (``docs/bench/tpu_v5e/layer_tokamax.txt`` against
-  ``layer_ragged_dot.txt``: forward 6387 against 42251 us at T=4096, H=2048, I=1024, top-8 of
-  32), so that kernel is there only when named.
+  not take), ep_comm's logger says why, once per reason. On TPUs with 16-bit dtypes ``"auto"``
+  is ``"megablox"`` where every dimension of ``x`` and ``w`` is at least 128, else ``"xla"``: on
+  a v5e, T=4096, top-8 of 32, ``moe_layer`` on megablox ran 1.47x (H=2048, I=1024) and 1.48x
+  (H=7168, I=2048) the dense einsums of the same FLOPs forward, 1.74x and 1.75x
+  forward+backward, where on XLA:TPU's ragged dot it ran 1.99x and 2.19x forward, 2.14x and
+  2.26x forward+backward (``docs/bench/tpu_v5e/``: ``megablox/`` and ``layer_*ragged_dot.txt``,
+  each ratio against the dense einsums of its own run). tokamax 0.0.12's Mosaic TPU kernel with its untuned heuristics ran
+  the layer 6.6x slower than the ragged dot (``layer_tokamax.txt``), so it is there only when
+  named.
 """
 
 from __future__ import annotations
@@ -179,6 +183,8 @@ def resolve_implementation(implementation: str, dtype, api: str = "grouped_matmu
                          f"got {implementation!r}")
     sixteen_bit = _sixteen_bit(dtype)
     if implementation == "auto":
+        if jax.default_backend() == "tpu" and sixteen_bit:
+            return "megablox"  # (each pass's shapes: pass_implementations)
         if jax.default_backend() == "gpu" and sixteen_bit and auto_cutlass():
             why = grouped_gemm.unavailable_reason()
             if why is None:
@@ -374,7 +380,10 @@ def pass_implementations(implementation, x, w, out_dtype=None, api: str = "group
     else:
         choice = [implementation] * len(PASSES)
     impls = [resolve_implementation(c, x.dtype, api) for c in choice]
-    if "tokamax" in impls and _tpu_too_small(x, w):  # (only when named: auto is xla on TPU)
+    for i, impl in enumerate(impls):  # auto's megablox takes K and N of 128 and up
+        if impl == "megablox" and choice[i] == "auto" and min(w.shape[1:]) < TPU_MIN_DIM:
+            impls[i] = "xla"
+    if "tokamax" in impls and _tpu_too_small(x, w):  # (only when named: auto is never tokamax on TPU)
         raise ValueError(f"{api}: implementation='tokamax' on TPU needs every dimension of x "
                          f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
                          f"{tuple(w.shape)}")

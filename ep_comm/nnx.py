@@ -115,7 +115,10 @@ class MoE(nnx.Module):
       param_dtype: parameter dtype.
       rngs: :class:`flax.nnx.Rngs` for the initialisation.
       **config: further :class:`ep_comm.EPConfig` fields (``backend``, ``plan``,
-        ``recv_capacity``, ``overflow``, ``invalid_ids``, ``combine_dtype``...).
+        ``recv_capacity``, ``overflow``, ``invalid_ids``, ``combine_dtype``...). The layer's
+        own router picks ids with ``lax.top_k`` over ``num_experts`` probabilities, so none
+        can be out of range: ``invalid_ids`` defaults to ``"ignore"`` here, which keeps the
+        run-time check's host callback out of the step (``EPConfig``'s ``invalid_ids``).
 
     Call with ``x`` of shape ``(..., H)``; the tokens (all leading dims together) are split over
     ``data_axes`` and ``axis_name``, so their count must be divisible by the product of their sizes.
@@ -200,8 +203,10 @@ class MoE(nnx.Module):
         if num_tokens % split:
             raise ValueError(f"ep_comm.nnx.MoE: the {num_tokens} tokens of x must be divisible "
                              f"by the {split} devices of mesh axes {self.token_axes}")
+        # (ids from the layer's own top-k router are in range: no run-time check by default)
+        config = {"invalid_ids": "ignore", **self.config}
         return EPConfig(axis_name=self.axis_name, num_ranks=n, num_experts=self.num_experts,
-                        topk=self.topk, tokens_per_rank=num_tokens // split, **self.config)
+                        topk=self.topk, tokens_per_rank=num_tokens // split, **config)
 
     def __call__(self, x):
         x = jnp.asarray(x)

@@ -151,17 +151,27 @@ def _raises(fn, message):
         fn()
 
 
-def test_grouped_matmul_on_tpu_auto_is_ragged_dot_and_tokamax_from_128_up(monkeypatch):
-    """On a TPU with tokamax's Mosaic TPU kernel (stood in for here: only the choice is checked),
-    ``auto`` is ``lax.ragged_dot`` (measured faster there: docs/performance.md) and an explicit
-    ``tokamax`` below 128 in any dimension raises, naming the shapes."""
+def test_grouped_matmul_on_tpu_auto_is_megablox_from_128_up_and_tokamax_only_when_named(
+        monkeypatch):
+    """On a TPU (stood in for here: only the choice is checked, and tokamax's Mosaic TPU kernel
+    as importable) ``auto`` is megablox for 16-bit inputs where K and N are 128 and up, at any
+    number of rows (measured
+    faster there than ``lax.ragged_dot`` and tokamax: docs/performance.md), ``lax.ragged_dot``
+    below that and for float32; an explicit ``tokamax`` below 128 in any dimension raises, naming
+    the shapes."""
     monkeypatch.setattr(gemm.jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(gemm, "tokamax_available", lambda: True)
     x = jnp.ones((6, 4), jnp.bfloat16)
     w = jnp.ones((3, 4, 5), jnp.bfloat16)
     gs = jnp.array([1, 2, 3], jnp.int32)
-    assert gemm.resolve_implementation("auto", jnp.bfloat16) == "xla"
+    assert gemm.resolve_implementation("auto", jnp.bfloat16) == "megablox"
+    assert gemm.resolve_implementation("auto", jnp.float32) == "xla"
     assert gemm.resolve_implementation("tokamax", jnp.bfloat16) == "tokamax"
+    big = jax.ShapeDtypeStruct((6, 128), jnp.bfloat16), jax.ShapeDtypeStruct((3, 128, 256),
+                                                                              jnp.bfloat16)
+    assert gemm.pass_implementations("auto", *big) == ("megablox",) * 3
+    assert gemm.pass_implementations("auto", x, w) == ("xla",) * 3
+    assert gemm.pass_implementations({"dlhs": "megablox"}, x, w) == ("xla", "megablox", "xla")
     want = jax.lax.ragged_dot(x, w, gs)
     np.testing.assert_array_equal(np.asarray(ep_comm.grouped_matmul(x, w, gs), np.float32),
                                   np.asarray(want, np.float32))

@@ -182,6 +182,24 @@ def test_nnx_rejects_bad_data_axes():
         m(jnp.zeros((2 * e + 1, H)))
 
 
+def test_nnx_routes_its_own_top_k_ids_without_the_run_time_check():
+    """The module's router picks ids with ``lax.top_k`` (never out of range), so its step holds
+    no host callback (which costs a TPU call ~2 ms: docs/parallelism.md) unless the caller asks
+    for the check."""
+    nnx = pytest.importorskip("flax.nnx", reason="the NNX module needs flax")
+    from ep_comm.nnx import MoE
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jnp.zeros((n * T, H))
+    for kw, want in (({}, "ignore"), ({"invalid_ids": "warn"}, "warn")):
+        m = MoE(H, I, 2 * n, K, mesh=mesh, rngs=nnx.Rngs(0), **kw)
+        assert m.ep_config(n * T).ids_check == want
+        with jax.set_mesh(mesh):
+            text = jax.jit(lambda x: m(x)).lower(x).as_text()
+        assert ("callback" in text) == (want == "warn"), want
+
+
 # ---- errors a caller can catch -----------------------------------------------------------------
 
 def dispatch_program(sharded, cfg):

@@ -15,6 +15,9 @@
   at a DeepSeek-V3-like H=7168 (``docs/bench/tpu_v5e/layer_ragged_dot.json``,
   ``layer_H7168_ragged_dot.json``).
 
+- ``tpu_megablox.png``: on one TPU v5e chip, the layers on megablox against MaxText's (the plain
+  layer at MaxText's default tiling), forward and forward+backward, at both shapes
+  (``docs/bench/tpu_v5e/megablox/layer_H2048.json``, ``layer_H7168.json``).
 - ``cutlass_passes.png``: each pass of the experts' grouped GEMMs, ep_comm's CUTLASS kernel with
   its default tile config and tokamax, against the dense einsum of the same FLOPs in the same run
   (``docs/bench/h200x1_cutlass/run3_layer_cutlass_deepseek.json``).
@@ -121,6 +124,29 @@ def tpu_layer(ax):
     ax.legend(fontsize=8, loc="lower right")
 
 
+def tpu_megablox(ax):
+    shapes = [("H=2048, I=1024", "layer_H2048.json"), ("H=7168, I=2048", "layer_H7168.json")]
+    kinds = [("dense einsums (same FLOPs)", "dense einsums (same FLOPs)"),
+             ("plain layer, megablox tuned", "plain layer, megablox tuned"),
+             ("moe_layer, megablox tuned, ids checked", "moe_layer, ids checked"),
+             ("moe_layer, megablox tuned", "moe_layer (invalid_ids='ignore')")]
+    labels, series = [], {label: [] for _, label in kinds}
+    for shape, name in shapes:
+        by = {r["impl"]: r for r in _report("tpu_v5e", "megablox", name)["layer"]}
+        for key, p in (("fwd_x_maxtext", "forward"), ("fwd_bwd_x_maxtext", "fwd+bwd")):
+            labels.append(f"{shape}\n{p}")
+            for impl, label in kinds:
+                series[label].append(by[impl][key])
+    _bars(ax, labels, series, lambda label, j, v: f"{v:.2f}")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.axhline(0.9, color="grey", linewidth=1, linestyle="--")
+    ax.set_ylim(0, 1.45)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("x MaxText's layer (megablox 512x1024x1024)")
+    ax.set_title("MoE layer on megablox, one TPU v5e (T=4096, top-8 of 32, bf16)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+
+
 def cutlass_passes(ax):
     from ep_comm.collectives.grouped_gemm import DEFAULT_CONFIGS
     rep = _report("h200x1_cutlass", "run3_layer_cutlass_deepseek.json")
@@ -142,7 +168,7 @@ def cutlass_passes(ax):
 
 PLOTS = {"dispatch_combine.png": dispatch_combine, "layer_vs_dense.png": layer_vs_dense,
          "overlap_chunks.png": overlap_chunks, "tpu_layer.png": tpu_layer,
-         "cutlass_passes.png": cutlass_passes}
+         "cutlass_passes.png": cutlass_passes, "tpu_megablox.png": tpu_megablox}
 
 
 def main(out: str) -> list[str]:

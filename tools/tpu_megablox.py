@@ -12,7 +12,9 @@ Per shape (T tokens, top-K of E experts on one rank, bf16):
    tiling of the candidates that fits the VMEM estimate, median of ``--iters`` after a warm-up;
    the fastest per pass goes into ``ep_comm.gemm.MEGABLOX_TILINGS`` for step 3 and the JSON;
 3. the layer, forward and forward+backward: dense einsums (the ceiling), the plain layer on
-   megablox at MaxText's tiling and at the tuned one, ``moe_layer`` on megablox (tuned). Every
+   megablox at MaxText's tiling and at the tuned one, ``moe_layer`` on megablox (tuned), with
+   ``invalid_ids="ignore"`` (the ids come from ``lax.top_k``: none can be out of range, and
+   like the plain layer it checks none) and with the default run-time check of the ids. Every
    row: us, TFLOP/s (the layer's 6 T K H I FLOPs forward, 3x that forward+backward) and x dense;
 4. with ``--profile DIR``: each layer's forward and forward+backward traced (3 calls), its device
    time split into the GEMMs and the rest, the rest's longest ops by name.
@@ -145,20 +147,26 @@ def layer_rows(rng, T, K, E, H, I, iters, profile=None):
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))  # noqa: E731
     x, ids, w, w_in, w_out = map(put, (x, ids, w, w_in, w_out))
-    cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=1, num_experts=E, topk=K,
-                           tokens_per_rank=T)
+    def ours(invalid_ids):
+        cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=1, num_experts=E, topk=K,
+                               tokens_per_rank=T, invalid_ids=invalid_ids)
 
-    @jax.shard_map(mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-    def ours(x, ids, w, w_in, w_out):
-        return ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
-                                 implementation="megablox")
+        @jax.shard_map(mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        def layer(x, ids, w, w_in, w_out):
+            return ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
+                                     implementation="megablox")
+        return layer
 
     impls = {
         "dense einsums (same FLOPs)": dense,
         "plain layer, megablox (512, 1024, 1024) (MaxText)": functools.partial(
             plain_layer, gemm=megablox_gmm(MAXTEXT)),
         "plain layer, megablox tuned": functools.partial(plain_layer, gemm=megablox_gmm()),
-        "moe_layer, megablox tuned": ours,
+        # ids from lax.top_k need no run-time check (the plain layer has none); the library's
+        # default check holds a host callback, which costs a TPU call ~2 ms of host time
+        # (tools/ids_check_probe.py)
+        "moe_layer, megablox tuned": ours("ignore"),
+        "moe_layer, megablox tuned, ids checked": ours(None),
     }
     flops = 6 * T * K * H * I
     rows = []
