@@ -327,8 +327,13 @@ def _megablox(pass_name, tiling, a, b, group_sizes, out_dtype, zero_tail=True):
     rows = -(-m // tm) * tm  # padded to whole row tiles (past the groups: never read)
     pad = lambda v: v if rows == m else jnp.pad(v, ((0, rows - m), (0, 0)))  # noqa: E731
     interpret = jax.default_backend() != "tpu"
+    # 16-bit inputs: every precision is the same product; the kernel traced at the default one,
+    # since Mosaic fails to compile a bf16 dot at a global jax_default_matmul_precision="highest"
+    # ("Bad lhs type", as XLA:TPU's ragged dot does above)
+    precision = (jax.default_matmul_precision("default") if _sixteen_bit(a.dtype)
+                 else contextlib.nullcontext())
     # Pallas outputs declare no varying axes inside shard_map: traced unchecked, then typed
-    with vma_unchecked():
+    with vma_unchecked(), precision:
         if pass_name == "drhs":
             out = megablox.tgmm(pad(a).T, pad(b), group_sizes, out_dtype, tiling=(tm, tk, tn),
                                 interpret=interpret)

@@ -112,6 +112,24 @@ def test_grouped_matmul_megablox_equals_ragged_dot_with_gradients(rng, grouping,
                               rtol=1e-6 if dtype == "float32" else 2 ** -7)
 
 
+def test_megablox_traces_16_bit_kernels_at_the_default_precision():
+    """Mosaic fails to compile a bf16 dot at a global ``jax_default_matmul_precision="highest"``
+    ("Bad lhs type", as the TPU tests set it); every megablox pass of 16-bit inputs is traced at
+    the default precision (the same product), float32 ones at the caller's."""
+    gs = jnp.array([30, 34], jnp.int32)
+
+    def precisions(dtype):
+        x, w = jnp.ones((64, 128), dtype), jnp.ones((2, 128, 128), dtype)
+        loss = lambda x, w: ep_comm.grouped_matmul(  # noqa: E731
+            x, w, gs, implementation="megablox").astype(jnp.float32).sum()
+        with jax.default_matmul_precision("highest"):
+            text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+        return set(re.findall(r"precision=\(?Precision\.(\w+)", text))
+
+    assert precisions(jnp.bfloat16) == {"DEFAULT"}
+    assert precisions(jnp.float32) == {"HIGHEST"}
+
+
 def test_megablox_tiling_is_clipped_and_divides_the_rows():
     from ep_comm.gemm import megablox_tiling
     assert megablox_tiling("forward", 32768, 4096, 4096) == (512, 1024, 1024)  # MaxText's
