@@ -8,13 +8,16 @@
 # build,tests,exchange,dispatch,topology; `sanitize` -- compute-sanitizer memcheck of the row
 # kernels' tests -- `gemm` -- the CUTLASS grouped GEMM: build (nvidia-cutlass from .whl/),
 # selftests under compute-sanitizer, the fused forward probe, its tests, the layer and GEMM
-# passes beside tokamax; the built module lands in $OUT/prebuilt/, and GEMM_PREBUILT=1 with it
+# passes beside tokamax and the plain layers, then PyTorch's layer (ep_comm.benchmarks.torch_layer)
+# at each shape of GEMM_SHAPES; the built module lands in $OUT/prebuilt/, and GEMM_PREBUILT=1 with it
 # carried back as collectives/_ep_gemm*.so skips the build next time (scripts/prebuild_gemm.sh
 # builds it without a GPU), GEMM_CHECKS=0 the checks --
 # and `layer` -- the MoE layer and grouped GEMM sweep with
 # tokamax from .whl/, see below -- `overlap` -- the chunked layer's tests and overlap bench
-# (docs/bench/h200x1_overlap), tokamax from .whl/ -- and `lifecycle` -- tests/lifecycle.py on NCCL -- run when
-# named) -- and `wheel` -- the binary wheel from dist/ (scripts/run.sh wheel, carried) in a fresh
+# (docs/bench/h200x1_overlap), tokamax from .whl/ -- `ids` -- what the run-time check of
+# topk_ids costs moe_layer a call (tools/ids_check_probe.py at the DeepSeek-V3 EP8 rank shape)
+# -- and `lifecycle` -- tests/lifecycle.py on NCCL -- run when named) -- and `wheel` -- the binary
+# wheel from dist/ (scripts/run.sh wheel, carried) in a fresh
 # venv with no nvcc on PATH: what it holds, the GPU tests against it, the layer bench beside the
 # source build's; nvidia-ml-py is installed from wheels/ when the image
 # lacks it. Output tables and JSON land in ${OUT:-out}/.
@@ -141,6 +144,11 @@ if step gemm; then
       --implementation "${GEMM_IMPLS:-cutlass,cutlass-fused,cutlass-keep-u,tokamax}" \
       ${GEMM_ARGS:---no-xla} \
       --json "$OUT/layer_cutlass_$shape.json" 2>&1 | tee "$OUT/layer_cutlass_$shape.txt"
+    # the PyTorch peer on the same inputs (the image's torch: argsort, torch._grouped_mm, SwiGLU,
+    # unpermute), its ratios against this shape's rows just measured; TORCH_PEER=0 skips it
+    [ "${TORCH_PEER:-1}" = 0 ] || timeout "${TORCH_TIMEOUT:-180}" "$PY" -m \
+      ep_comm.benchmarks.torch_layer $args --jax-json "$OUT/layer_cutlass_$shape.json" \
+      --json "$OUT/torch_layer_$shape.json" 2>&1 | tee "$OUT/torch_layer_$shape.txt"
   done
 fi
 if step overlap; then
@@ -188,6 +196,13 @@ print('build:', collectives.bootstrap.build_info())" 2>&1 | tee -a "$OUT/wheel.t
       --intermediate 2048 --experts 32 --topk 8 --implementation cutlass --no-xla --parts layer \
       --json "$OUT/wheel_layer_$who.json" ) 2>&1 | tail -8 | tee "$OUT/wheel_layer_$who.txt"
   done
+fi
+if step ids; then
+  echo "== what dispatch's run-time check of topk_ids costs moe_layer a call (tools/ids_check_probe.py)"
+  install_wheels
+  timeout "${IDS_TIMEOUT:-300}" "$PY" tools/ids_check_probe.py --tokens 4096 --hidden 7168 \
+    --intermediate 2048 --experts 32 --topk 8 --gemm "${IDS_GEMM:-auto}" --iters 20 \
+    --json "$OUT/ids_check.json" 2>&1 | tail -8 | tee "$OUT/ids_check.txt"
 fi
 if step lifecycle; then
   echo "== lifecycle: bootstrap -> exchange -> finalize cycles (NCCL), GPU memory against before"

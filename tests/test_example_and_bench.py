@@ -7,6 +7,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from ep_comm import topology
@@ -154,6 +155,40 @@ def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
     assert fwd["wrong"] == 0 and fwd["time_us"] > 0 and fwd["x_dense"] > 0
     assert rows[("moe_layer grouped_matmul=auto", "fwd+bwd")]["time_us"] > 0
     assert "moe_layer" in layer_bench.table(layer) and "x dense" in layer_bench.table(gemm)
+    assert layer["config"]["invalid_ids"] == "ignore"  # (the drawn ids are in range)
+
+
+def test_torch_peer_draws_the_layer_bench_inputs_and_reads_its_report(capsys):
+    """The PyTorch layer's inputs are the layer bench's (same seed and order: same routing), and
+    its ratios read the layer bench's dense and moe_layer rows; with torch installed (the GPU
+    image), its layer on the CPU path equals the float64 reference."""
+    from ep_comm.benchmarks import layer as layer_bench, torch_layer
+
+    T, H, I, E, K = 32, 16, 8, 8, 2
+    ids, w, x, w_in, w_out = torch_layer.inputs(T, H, I, E, K)
+    assert ids.shape == (T, K) and x.shape == (T, H) and w_in.shape == (E, H, 2 * I)
+    assert np.bincount(ids.reshape(-1), minlength=E).tolist() == \
+        layer_bench.routed_sizes(1, T, E, K).tolist()
+    rep = {"kind": "layer", "results": [
+        dict(impl="dense einsum (ceiling)", pass_="forward", time_us=10.0),
+        dict(impl="dispatch alone", pass_="forward", time_us=1.0),
+        dict(impl="moe_layer grouped_matmul=cutlass", pass_="forward", time_us=12.0),
+        dict(impl="moe_layer grouped_matmul=tokamax", pass_="forward", time_us=15.0),
+        dict(impl="moe_layer grouped_matmul=xla", pass_="fwd+bwd", skipped="too large")]}
+    assert torch_layer._jax_times(rep) == (
+        {"forward": 10.0}, {"forward": ("moe_layer grouped_matmul=cutlass", 12.0)})
+    with pytest.raises(SystemExit):
+        torch_layer.main(["--tokens", "10", "--topk", "3", "--experts", "4"])
+    assert ("--tokens x --topk (30) must be divisible by --experts (4): the dense ceiling's "
+            "equal groups") in capsys.readouterr().err
+    pytest.importorskip("torch", reason="the PyTorch peer's layer needs torch (the GPU image)")
+    out = torch_layer.report(T, H, I, E, K, dtype="float32", device="cpu", warmup=0, iters=1,
+                             jax_report=rep)
+    rows = {(r["impl"].split(" (")[0], r["pass_"]): r for r in out["results"]}
+    assert rows[("torch layer", "forward")]["wrong"] == 0
+    assert rows[("torch layer", "forward")]["x_dense"] > 0
+    assert rows[("torch layer", "fwd+bwd")]["time_us"] > 0
+    assert "torch layer" in torch_layer.table(out)
 
 
 def test_emit_saves_a_report_in_progress_and_replaces_it_when_done(tmp_path, capsys):

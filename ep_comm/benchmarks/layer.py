@@ -19,6 +19,10 @@ One run, side by side, on one routing (uniform top-k over ``--experts``):
   grouped GEMM, gather back and weighted sum; autodiff's backward), forward and forward+backward,
   and the table ends with ``moe_layer``'s time over it.
 
+``moe_layer`` runs with ``EPConfig(invalid_ids=--invalid-ids)``, default ``"ignore"``: the drawn
+ids are in range, the plain layer checks none, and the run-time check's host callback costs a
+call host time of its own (``tools/ids_check_probe.py`` times it).
+
 Times are medians of ``--iters`` after ``--warmup``; ``#wrong`` counts outputs off a float64
 reference by more than the dtype's tolerance (layer: rank 0's first 64 tokens). JSON with
 ``--json``.
@@ -58,7 +62,7 @@ FUSED_ROWS = {KEEP_U: (dict(keep_u=True), "u kept"),
 
 
 def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, implementation,
-                 xla_max_gib, profile, with_xla=True):
+                 xla_max_gib, profile, with_xla=True, invalid_ids="ignore"):
     """moe_layer forward and forward+backward, next to the dense ceiling of the same FLOPs: yields
     the report with ``partial=True`` after each measured row (``emit`` saves it, so a run cut by
     a time limit keeps those rows), then the whole report."""
@@ -77,7 +81,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     put = lambda a: ep_comm.distributed.global_array(a, rows)
     xs, idss, ws, wis, wos = (put(x.astype(dtype)), put(ids), put(w),
                               put(w_in.astype(dtype)), put(w_out.astype(dtype)))
-    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T)
+    cfg = ep_comm.EPConfig("ep", num_ranks=n, num_experts=E, topk=K, tokens_per_rank=T,
+                           invalid_ids=invalid_ids)
     pairs = T * K  # (token, expert) rows per rank, balanced
     fwd_flops = 2.0 * pairs * (H * 2 * I + I * H)
 
@@ -114,7 +119,8 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                dict(impl="dense einsum (ceiling)", pass_="fwd+bwd", time_us=t_dense_b,
                     tflops=3 * fwd_flops / t_dense_b / 1e6, x_dense=1.0)]
     report = dict(kind="layer", config=dict(tokens_per_rank=T, hidden=H, intermediate=I,
-                                            experts=E, topk=K, dtype=jnp.dtype(dtype).name),
+                                            experts=E, topk=K, dtype=jnp.dtype(dtype).name,
+                                            invalid_ids=cfg.ids_check),
                   ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results,
                   tokamax_configs=dict(gm.TOKAMAX_CONFIGS),
                   cutlass_configs=dict(gm.grouped_gemm.DEFAULT_CONFIGS))
@@ -419,6 +425,10 @@ def main(argv=None):
                     help="the GEMM part without its tokamax tile configs (defaults only)")
     ap.add_argument("--no-xla", action="store_true",
                     help="leave lax.ragged_dot out of the layer comparison")
+    ap.add_argument("--invalid-ids", default="ignore", choices=("ignore", "warn", "raise"),
+                    help="moe_layer's EPConfig.invalid_ids (default ignore: the ids are drawn "
+                         "in range and the plain layer checks none; tools/ids_check_probe.py "
+                         "times the check)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", default=None,
@@ -470,7 +480,8 @@ def main(argv=None):
     def layer_part():
         yield from layer_report(args.tokens, args.hidden, args.intermediate, E, args.topk,
                                 dtype, args.warmup, args.iters, args.implementation,
-                                args.xla_max_gib, args.profile, with_xla=not args.no_xla)
+                                args.xla_max_gib, args.profile, with_xla=not args.no_xla,
+                                invalid_ids=args.invalid_ids)
 
     part_fns = dict(gemm=gemm_part, rounds=rounds_part, overlap=overlap_part, layer=layer_part)
     unknown = [p for p in parts if p not in part_fns]
