@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import ep_comm
 from ep_comm import dispatch_combine, overflow
-from ep_comm.benchmarks.timing import interleaved_us, profile_split
+from ep_comm.benchmarks.timing import interleaved_us, layer_shape_arguments, profile_split
 from ep_comm.topology._jax_compat import match_vma
 
 
@@ -60,11 +60,7 @@ VARIANTS = {
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--topk", type=int, default=8)
+    layer_shape_arguments(ap)
     ap.add_argument("--gemm", default="auto", help="moe_layer's implementation")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--variants", default=",".join(VARIANTS))

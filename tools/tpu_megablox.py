@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
-from ep_comm.benchmarks.timing import median_us, profile_split
+from ep_comm.benchmarks.timing import layer_shape_arguments, median_us, profile_split
 from ep_comm import gemm
 from ep_comm.benchmarks.plain import plain_layer
 from ep_comm.benchmarks.reference import dense_experts
@@ -207,11 +207,7 @@ def layer_rows(rng, T, K, E, H, I, iters, profile=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--topk", type=int, default=8)
+    layer_shape_arguments(ap)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep-iters", type=int, default=5)
     ap.add_argument("--sweep-budget", type=float, default=150.0,

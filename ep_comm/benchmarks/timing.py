@@ -160,3 +160,15 @@ def profile_split(folder, fn, args, label):
           f"{total - gemm:.0f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in top), flush=True)
     return dict(kernel_us=total, gemm_us=gemm, other_us=total - gemm,
                 top_other={k: round(v, 1) for k, v in top})
+
+
+def layer_shape_arguments(ap, tokens=4096, hidden=2048, intermediate=1024, experts=32, topk=8):
+    """The MoE layer's shape options on ``ap`` (an ``argparse`` parser): ``--tokens`` (one
+    rank's), ``--hidden``, ``--intermediate`` (each expert's SwiGLU width), ``--experts``,
+    ``--topk``, with these defaults."""
+    ap.add_argument("--tokens", type=int, default=tokens, help="tokens (one rank)")
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--intermediate", type=int, default=intermediate,
+                    help="SwiGLU width I per expert")
+    ap.add_argument("--experts", type=int, default=experts)
+    ap.add_argument("--topk", type=int, default=topk)

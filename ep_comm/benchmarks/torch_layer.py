@@ -33,6 +33,7 @@ import numpy as np
 
 from ep_comm.benchmarks.gemm_sweep import draw_ids, wrong_count
 from ep_comm.benchmarks.reference import layer_reference
+from ep_comm.benchmarks.timing import layer_shape_arguments
 
 
 def inputs(tokens, hidden, inter, experts, topk):
@@ -223,11 +224,7 @@ def table(rep) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens (one rank)")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--topk", type=int, default=8)
+    layer_shape_arguments(ap, hidden=7168, intermediate=2048)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     ap.add_argument("--warmup", type=int, default=3)
