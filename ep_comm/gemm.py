@@ -33,14 +33,14 @@ a GEMM whose contracting dimension is ragged). Implementations:
   with 16-bit dtypes ``"tokamax"`` when its kernel imports, else ``"xla"``. Where a GPU with
   16-bit dtypes falls back from ``"cutlass"`` (not Hopper, the module not built, a shape it does
   not take), ep_comm's logger says why, once per reason. On TPUs with 16-bit dtypes ``"auto"``
-  is ``"megablox"`` where every dimension of ``x`` and ``w`` is at least 128, else ``"xla"``: on
-  a v5e, T=4096, top-8 of 32, ``moe_layer`` on megablox ran 1.47x (H=2048, I=1024) and 1.48x
-  (H=7168, I=2048) the dense einsums of the same FLOPs forward, 1.74x and 1.75x
-  forward+backward, where on XLA:TPU's ragged dot it ran 1.99x and 2.19x forward, 2.14x and
-  2.26x forward+backward (``docs/bench/tpu_v5e/``: ``megablox/`` and ``layer_*ragged_dot.txt``,
-  each ratio against the dense einsums of its own run). tokamax 0.0.12's Mosaic TPU kernel with its untuned heuristics ran
-  the layer 6.6x slower than the ragged dot (``layer_tokamax.txt``), so it is there only when
-  named.
+  is ``"megablox"`` for each pass whose ``K`` and ``N`` (``w``'s last two dimensions) are at
+  least 128, else ``"xla"``: on a v5e, T=4096, top-8 of 32, ``moe_layer`` on megablox ran 1.47x
+  (H=2048, I=1024) and 1.48x (H=7168, I=2048) the dense einsums of the same FLOPs forward,
+  1.74x and 1.75x forward+backward, where on XLA:TPU's ragged dot it ran 1.99x and 2.19x
+  forward, 2.14x and 2.26x forward+backward (``docs/bench/tpu_v5e/``: ``megablox/`` and
+  ``layer_*ragged_dot.txt``, each ratio against the dense einsums of its own run). tokamax
+  0.0.12's Mosaic TPU kernel with its untuned heuristics ran the layer 6.6x slower than the
+  ragged dot (``layer_tokamax.txt``), so it is there only when named.
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def pass_implementations(implementation, x, w, out_dtype=None, api: str = "group
     for i, impl in enumerate(impls):  # auto's megablox takes K and N of 128 and up
         if impl == "megablox" and choice[i] == "auto" and min(w.shape[1:]) < TPU_MIN_DIM:
             impls[i] = "xla"
-    if "tokamax" in impls and _tpu_too_small(x, w):  # (only when named: auto is never tokamax on TPU)
+    if "tokamax" in impls and _tpu_too_small(x, w):  # (only when named: auto is not tokamax)
         raise ValueError(f"{api}: implementation='tokamax' on TPU needs every dimension of x "
                          f"and w >= {TPU_MIN_DIM}, got x {tuple(x.shape)} and w "
                          f"{tuple(w.shape)}")
