@@ -84,16 +84,16 @@ def dense(torch, xg, w_in_t, w_out_t):
     return torch.bmm(h, w_out_t)
 
 
-def time_us(torch, fn, warmup, iters):
+def time_us(torch, fn, warmup, iters, cuda):
     """Median microseconds of ``fn()`` over ``iters`` calls after ``warmup``: CUDA events around
-    each call on a GPU, the host clock elsewhere."""
+    each call when ``cuda`` (its work on the GPU), the host clock otherwise."""
     import time
 
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if torch.cuda.is_available():
+        if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -155,7 +155,7 @@ def report(tokens, hidden, inter, experts, topk, dtype="bfloat16", device=None, 
             p.grad = None
         (dense(torch, *dense_params).float() ** 2).sum().backward()
 
-    t = {name: time_us(torch, fn, warmup, iters) for name, fn in (
+    t = {name: time_us(torch, fn, warmup, iters, device == "cuda") for name, fn in (
         ("dense forward", dense_forward), ("dense fwd+bwd", dense_fwd_bwd),
         ("forward", forward), ("fwd+bwd", fwd_bwd))}
     jax_dense, jax_layer = _jax_times(jax_report)
