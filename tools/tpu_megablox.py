@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import time
 
@@ -34,7 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
-from ep_comm.benchmarks.timing import layer_shape_arguments, median_us, profile_split
+from ep_comm.benchmarks.timing import layer_shape_arguments, median_us, profile_split, save_json
 from ep_comm import gemm
 from ep_comm.benchmarks.plain import plain_layer
 from ep_comm.benchmarks.reference import dense_experts
@@ -247,10 +246,7 @@ def main(argv=None):
               f"{r['fwd_x_maxtext']:10.2f} {r['fwd_bwd_us']:11.0f} {r['fwd_bwd_x_dense']:8.2f} "
               f"{r['fwd_bwd_x_maxtext']:10.2f} "
               f"{'' if r['max_rel_err'] is None else format(r['max_rel_err'], '.1e'):>8s}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return save_json(report, args.json)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,14 @@ def hardware() -> str:
             f"{jax.process_count()} process(es); host CPU: {cpu}; jax {jax.__version__}")
 
 
+def save_json(report, json_path=None):
+    """Writes ``report`` to ``json_path`` (when given) and returns it: a probe's last step."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
 def emit(reports, table_fn, json_path=None) -> list:
     """Run the (lazy) ``reports``, printing each as a table on process 0 as it completes and
     rewriting ``json_path`` with those done so far (a run cut short by a time limit keeps what it

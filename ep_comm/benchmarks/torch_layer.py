@@ -33,7 +33,7 @@ import numpy as np
 
 from ep_comm.benchmarks.gemm_sweep import draw_ids, wrong_count
 from ep_comm.benchmarks.reference import layer_reference
-from ep_comm.benchmarks.timing import layer_shape_arguments
+from ep_comm.benchmarks.timing import layer_shape_arguments, save_json
 
 
 def inputs(tokens, hidden, inter, experts, topk):
@@ -253,10 +253,7 @@ def main(argv=None):
     rep = report(args.tokens, args.hidden, args.intermediate, args.experts, args.topk,
                  args.dtype, args.device, args.warmup, args.iters, jax_report)
     print(table(rep), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=1)
-    return rep
+    return save_json(rep, args.json)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,13 @@ bytes of FP8 dispatch are in ``python -m ep_comm.benchmarks.dispatch --wire-form
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ep_comm import wire
+from ep_comm.benchmarks.timing import save_json
 
 
 
@@ -66,10 +66,7 @@ def main(argv=None):
     for r in rows:
         print(f"{r['activations']:<14}{r['format']:<8}{r['max_rel']:>10.4f}"
               f"{r['mean_of_block_max']:>14.4f}{r['mean_rel']:>10.4f}{r['normal_fraction']:>9.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return rows
+    return save_json(rows, args.json)
 
 
 if __name__ == "__main__":
