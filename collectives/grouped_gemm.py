@@ -50,6 +50,11 @@ FUSED_CONFIGS = (0, 1, 2)
 FUSED_BACKWARD_CONFIGS = (0, 1)
 TILE_N = {0: 256, 1: 128}
 DEFAULT_CONFIGS = {"forward": 3, "dlhs": 0, "drhs": 2}
+# Per shape, over DEFAULT_CONFIGS: the config of one pass of a GEMM whose weight is (K, N), keyed
+# (pass, K, N) (the up projection's (H, 2I), the down one's (I, H)), measured on the layer's own
+# routed groups: `python -m ep_comm.benchmarks.layer --groups routed --tune` prints the entries
+# (its JSON's "best_cutlass_by_shape"). None measured yet: every shape takes DEFAULT_CONFIGS.
+SHAPE_CONFIGS: dict[tuple[str, int, int], int] = {}
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ALIGN = 8  # K and N in elements: 16-byte rows for TMA
 MAX_GROUPS = 65535  # the kernel's grids
@@ -76,6 +81,22 @@ def _ready(api: str) -> None:
     if why is not None:
         raise RuntimeError(f"{api}: the CUTLASS grouped GEMM does not run here: {why}")
     bootstrap.register_targets("gemm")
+
+
+def weight_dims(pass_name: str, a_shape, b_shape) -> tuple[int, int]:
+    """``(K, N)`` of the weight of the GEMM a pass belongs to (``b`` is that weight in the forward
+    and ``dlhs``; ``drhs`` computes it from ``a`` ``(M, K)`` and ``dy`` ``(M, N)``)."""
+    if pass_name == "drhs":
+        return int(a_shape[1]), int(b_shape[1])
+    return int(b_shape[1]), int(b_shape[2])
+
+
+def config_for(pass_name: str, k: int, n: int) -> int:
+    """The tile config a pass runs by default on a weight ``(k, n)``: :data:`SHAPE_CONFIGS`'
+    entry, else :data:`DEFAULT_CONFIGS`'."""
+    if pass_name not in PASSES:
+        raise ValueError(f"config_for: pass_name must be one of {PASSES}, got {pass_name!r}")
+    return SHAPE_CONFIGS.get((pass_name, int(k), int(n)), DEFAULT_CONFIGS[pass_name])
 
 
 def out_shape(pass_name: str, a_shape, b_shape, groups: int) -> tuple:
@@ -108,11 +129,13 @@ def unsupported(pass_name: str, a, b, out_dtype) -> str | None:
 def grouped_gemm(pass_name: str, a, b, group_sizes, *, zero_tail: bool = True,
                  config: int | None = None):
     """One pass of the grouped GEMM (module docstring) with tile config ``config`` (one of
-    :data:`CONFIGS`; default :data:`DEFAULT_CONFIGS`); raises ``ValueError`` for operands the
-    kernel does not take and ``RuntimeError`` where it does not run (:func:`available`)."""
+    :data:`CONFIGS`; default :func:`config_for` the weight's shape); raises ``ValueError`` for
+    operands the kernel does not take and ``RuntimeError`` where it does not run
+    (:func:`available`)."""
     if pass_name not in PASSES:
         raise ValueError(f"grouped_gemm: pass_name must be one of {PASSES}, got {pass_name!r}")
-    config = DEFAULT_CONFIGS[pass_name] if config is None else config
+    if config is None:
+        config = config_for(pass_name, *weight_dims(pass_name, a.shape, b.shape))
     if config not in CONFIGS:
         raise ValueError(f"grouped_gemm: config must be one of {CONFIGS}, got {config!r}")
     why = unsupported(pass_name, a, b, a.dtype)

@@ -132,7 +132,9 @@ if step gemm; then
       -k "${GEMM_TESTS:-cutlass or grouped_gemm or fused or inside_shard_map}" -rf 2>&1 \
       | tee "$OUT/gemm_tests.txt" | tail -12
   }
-  # GEMM_SHAPES: the shapes by name (default: the DeepSeek-V3 EP8 rank only)
+  # GEMM_SHAPES: the shapes by name (default: the DeepSeek-V3 EP8 rank only); each
+  # shape's GEMM passes on the layer's own routed groups first, the layer then on the fastest
+  # CUTLASS config per pass and weight shape (its JSON's best_cutlass_by_shape: SHAPE_CONFIGS)
   for shape in ${GEMM_SHAPES:-deepseek}; do
     case "$shape" in
       deepseek) args="--tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8" ;;
@@ -142,7 +144,7 @@ if step gemm; then
     esac
     timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.benchmarks.layer $args \
       --implementation "${GEMM_IMPLS:-cutlass,cutlass-fused,cutlass-keep-u,tokamax}" \
-      ${GEMM_ARGS:---no-xla} \
+      ${GEMM_ARGS:---no-xla --groups routed --tune --no-tile-sweep} \
       --json "$OUT/layer_cutlass_$shape.json" 2>&1 | tee "$OUT/layer_cutlass_$shape.txt"
     # the PyTorch peer on the same inputs (the image's torch: argsort, torch._grouped_mm, SwiGLU,
     # unpermute), its ratios against this shape's rows just measured; TORCH_PEER=0 skips it

@@ -112,6 +112,41 @@ def test_grouped_matmul_megablox_equals_ragged_dot_with_gradients(rng, grouping,
                               rtol=1e-6 if dtype == "float32" else 2 ** -7)
 
 
+def test_cutlass_configs_per_weight_shape_override_the_pass_defaults(monkeypatch):
+    """``SHAPE_CONFIGS`` (picked per pass and weight shape by the layer bench's ``--tune``)
+    overrides ``DEFAULT_CONFIGS`` for that shape only; every pass reads the weight's (K, N) from
+    its operands; the sweep's rows give the fastest right config per (pass, K, N)."""
+    from ep_comm.benchmarks.gemm_sweep import fastest_by_shape
+
+    monkeypatch.setattr(grouped_gemm, "SHAPE_CONFIGS",
+                        {("forward", 64, 32): 1, ("drhs", 64, 32): 4})
+    d = grouped_gemm.DEFAULT_CONFIGS
+    assert grouped_gemm.config_for("forward", 64, 32) == 1
+    assert grouped_gemm.config_for("forward", 32, 64) == d["forward"]
+    assert grouped_gemm.config_for("dlhs", 64, 32) == d["dlhs"]
+    assert grouped_gemm.weight_dims("forward", (8, 64), (2, 64, 32)) == (64, 32)
+    assert grouped_gemm.weight_dims("dlhs", (8, 32), (2, 64, 32)) == (64, 32)
+    assert grouped_gemm.weight_dims("drhs", (8, 64), (8, 32)) == (64, 32)
+    with pytest.raises(ValueError, match=re.escape(
+            "config_for: pass_name must be one of ('forward', 'dlhs', 'drhs'), got 'up'")):
+        grouped_gemm.config_for("up", 64, 32)
+    # the table is read where no config is given: an entry the kernel lacks is refused by name
+    grouped_gemm.SHAPE_CONFIGS[("forward", 64, 32)] = 9
+    with pytest.raises(ValueError, match=re.escape(
+            "grouped_gemm: config must be one of (0, 1, 2, 3, 4), got 9")):
+        grouped_gemm.grouped_gemm("forward", jnp.zeros((8, 64), jnp.bfloat16),
+                                  jnp.zeros((2, 64, 32), jnp.bfloat16), jnp.array([3, 5]))
+    row = lambda p, w, c, t, wrong=0: dict(pass_=p, impl=f"ep_comm cutlass config {c}",  # noqa
+                                           config=c, time_us=t, wrong=wrong, weight=w)
+    results = [row("forward", [64, 32], 0, 5.0), row("forward", [64, 32], 3, 4.0),
+               row("forward", [64, 32], 1, 1.0, wrong=2),  # (fastest, but wrong: not a choice)
+               row("forward", [32, 64], 0, 2.0), row("forward", [32, 64], 3, 3.0),
+               dict(pass_="forward", impl="ep_comm cutlass config 2", skipped="no"),
+               dict(pass_="forward", impl="dense einsum", time_us=0.5, wrong=0, x_dense=1.0)]
+    assert fastest_by_shape(results, "ep_comm cutlass") == {("forward", 64, 32): 3,
+                                                            ("forward", 32, 64): 0}
+
+
 def test_megablox_traces_16_bit_kernels_at_the_default_precision():
     """Mosaic fails to compile a bf16 dot at a global ``jax_default_matmul_precision="highest"``
     ("Bad lhs type", as the TPU tests set it); every megablox pass of 16-bit inputs is traced at

@@ -6,6 +6,7 @@ the layer benchmark draws, whose group sizes the sweep can take (``--groups rout
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +124,8 @@ def gemm_sweep(rows, hidden, inter, groups, dtype, warmup, iters, candidates, lo
                 ref = ref_fn() if ref is None else ref
                 results.append(dict(gemm=name, pass_=pass_name, impl=label, time_us=t,
                                     tflops=flops / t / 1e6, x_dense=t / t_dense,
-                                    wrong=wrong_count(out, ref, dtype, k), config=cfg))
+                                    wrong=wrong_count(out, ref, dtype, k), config=cfg,
+                                    weight=[k, n]))
                 if log:
                     log(f"  {name} {pass_name} {label}: {t:.1f} us, {t / t_dense:.2f}x dense")
     return results, fastest(results, "tokamax"), fastest(results, "ep_comm cutlass")
@@ -146,6 +148,20 @@ def fastest(results, impl):
         if full:
             best[pass_name] = min(full, key=lambda v: v[1])[0]
     return best
+
+
+def fastest_by_shape(results, impl) -> dict[tuple[str, int, int], Any]:
+    """Per pass and per GEMM, the config of ``impl`` (a label prefix) fastest among those right,
+    keyed ``(pass, K, N)`` by the GEMM's weight ``(K, N)``, as
+    ``ep_comm.collectives.grouped_gemm.SHAPE_CONFIGS`` is."""
+    best = {}
+    for r in results:
+        if r["impl"].startswith(impl) and "time_us" in r and r["wrong"] == 0 \
+                and r.get("config") is not None and "weight" in r:
+            key = (r["pass_"], *r["weight"])
+            if key not in best or r["time_us"] < best[key][1]:
+                best[key] = (r["config"], r["time_us"])
+    return {key: config for key, (config, _) in best.items()}
 
 
 def _grouped_reference(pass_name, starts):

@@ -42,8 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
 from ep_comm.benchmarks import plain
-from ep_comm.benchmarks.gemm_sweep import (CANDIDATES, config_label, draw_ids, gemm_sweep,
-                                           routed_sizes, wrong_count)
+from ep_comm.benchmarks.gemm_sweep import (CANDIDATES, config_label, draw_ids, fastest_by_shape,
+                                           gemm_sweep, routed_sizes, wrong_count)
 from ep_comm.benchmarks.overlap import overlap_report
 from ep_comm.benchmarks.reference import dense_experts, layer_reference
 from ep_comm.benchmarks.timing import emit, gib, hardware, median_us, profile_split, temp_bytes
@@ -123,7 +123,9 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
                                             invalid_ids=cfg.ids_check),
                   ranks=n, hardware=hardware(), warmup=warmup, iters=iters, results=results,
                   tokamax_configs=dict(gm.TOKAMAX_CONFIGS),
-                  cutlass_configs=dict(gm.grouped_gemm.DEFAULT_CONFIGS))
+                  cutlass_configs=dict(gm.grouped_gemm.DEFAULT_CONFIGS),
+                  cutlass_shape_configs={f"{p},{k},{n_}": c for (p, k, n_), c in
+                                         gm.grouped_gemm.SHAPE_CONFIGS.items()})
     partial = lambda: dict(report, partial=True)  # noqa: E731 (the rows so far, for emit)
     # the layer's exchange halves alone (the same config and routing): where its time goes
     disp = jax.jit(jax.shard_map(functools.partial(ep_comm.dispatch, config=cfg), mesh=mesh,
@@ -358,14 +360,15 @@ def table(rep) -> str:
                          f"{r['tflops']:>9.1f}{r['x_dense']:>9.2f} {r['wrong']:>7d}")
         lines.append(f"# fastest tokamax config per pass: "
                      f"{ {p: config_label(c) for p, c in rep['best'].items()} }; CUTLASS: "
-                     f"{rep.get('best_cutlass', {})}")
+                     f"{rep.get('best_cutlass', {})}; CUTLASS per (pass, K, N) of the weight "
+                     f"(SHAPE_CONFIGS): {rep.get('best_cutlass_by_shape', {})}")
         return "\n".join(lines)
     c = rep["config"]
     lines = [head + f"# moe_layer: {rep['ranks']} rank(s), {c['tokens_per_rank']} tokens/rank, "
              f"top-{c['topk']} of {c['experts']} experts, H={c['hidden']}, SwiGLU I="
              f"{c['intermediate']}, {c['dtype']}; ceiling = the same expert FLOPs as dense "
              f"batched einsums; tokamax configs {rep['tokamax_configs']}; CUTLASS configs "
-             f"{rep.get('cutlass_configs')}",
+             f"{rep.get('cutlass_configs')}, per (pass, K, N) {rep.get('cutlass_shape_configs')}",
              f"{'impl':<44}{'pass':<9}{'time(us)':>11}{'TFLOP/s':>9}{'x dense':>9}{'#wrong':>8}"
              f"{'temp':>11}"]
     for r in rep["results"]:
@@ -407,8 +410,9 @@ def main(argv=None):
     ap.add_argument("--rounds-factor", type=float, default=2.0,
                     help="rounds: capacity per round in balanced rows (T * topk) per rank")
     ap.add_argument("--tune", action="store_true",
-                    help="run the layer with the fastest tokamax and CUTLASS configs per pass of "
-                         "the GEMM part")
+                    help="run the layer with the fastest tokamax configs per pass and CUTLASS "
+                         "configs per pass and weight shape of the GEMM part (with --groups "
+                         "routed: picked on the layer's own routed groups)")
     ap.add_argument("--groups", default="equal", choices=("equal", "routed"),
                     help="the GEMM part's group sizes: equal, or those the layer part's routing "
                          "gives rank 0's experts")
@@ -456,15 +460,18 @@ def main(argv=None):
                                              dtype, args.warmup, args.iters,
                                              {} if args.no_tile_sweep else CANDIDATES,
                                              log=lambda s: print(s, flush=True), sizes=sizes)
-        if args.tune:
+        by_shape = fastest_by_shape(res, "ep_comm cutlass")
+        if args.tune:  # (CUTLASS: per pass and weight shape, as SHAPE_CONFIGS holds them)
             gm.TOKAMAX_CONFIGS.update(best)
-            gm.grouped_gemm.DEFAULT_CONFIGS.update(best_cutlass)
+            gm.grouped_gemm.SHAPE_CONFIGS.update(by_shape)
         yield dict(kind="gemm", config=dict(rows=rows, groups=E // n, hidden=args.hidden,
                                             intermediate=args.intermediate,
                                             dtype=dtype.name, group_sizes=args.groups,
                                             sizes=None if sizes is None else sizes.tolist()),
                    hardware=hardware(), warmup=args.warmup, iters=args.iters, results=res,
-                   best=best, best_cutlass=best_cutlass)
+                   best=best, best_cutlass=best_cutlass,
+                   best_cutlass_by_shape={f"{p},{k},{n_}": c for (p, k, n_), c in
+                                          by_shape.items()})
 
     def rounds_part():
         yield rounds_report(args.tokens, args.hidden, args.intermediate, E, args.topk, dtype,
