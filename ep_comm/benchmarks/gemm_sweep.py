@@ -189,6 +189,19 @@ def draw_ids(rng, tokens, experts, topk):
     return np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk].astype(np.int32)
 
 
+def layer_inputs(rng, tokens, hidden, inter, experts, topk):
+    """The layer benchmark's draws from ``rng`` (``default_rng(1)``), in this order: ``ids``
+    ``(tokens, topk)`` (:func:`draw_ids`), router weights ``w``, ``x`` ``(tokens, H)``, ``w_in``
+    ``(E, H, 2I)`` and ``w_out`` ``(E, I, H)``, float32 numpy; ``tokens`` are all ranks'."""
+    T, H, I, E, K = tokens, hidden, inter, experts, topk
+    ids = draw_ids(rng, T, E, K)
+    w = rng.random((T, K)).astype(np.float32)
+    x = (rng.standard_normal((T, H)) * 0.5).astype(np.float32)
+    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    return ids, w, x, w_in, w_out
+
+
 def routed_sizes(ranks, tokens, experts, topk):
     """The group sizes rank 0's experts get under the layer part's routing (the same draw)."""
     ids = draw_ids(np.random.default_rng(1), ranks * tokens, experts, topk)

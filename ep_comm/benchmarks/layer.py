@@ -42,8 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ep_comm
 from ep_comm.benchmarks import plain
-from ep_comm.benchmarks.gemm_sweep import (CANDIDATES, config_label, draw_ids, fastest_by_shape,
-                                           gemm_sweep, routed_sizes, wrong_count)
+from ep_comm.benchmarks.gemm_sweep import (CANDIDATES, config_label, fastest_by_shape,
+                                           gemm_sweep, layer_inputs, routed_sizes, wrong_count)
 from ep_comm.benchmarks.overlap import overlap_report
 from ep_comm.benchmarks.reference import dense_experts, layer_reference
 from ep_comm.benchmarks.timing import emit, gib, hardware, median_us, profile_split, temp_bytes
@@ -72,11 +72,7 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
     T, H, I, E, K = tokens, hidden, inter, experts, topk
     L = E // n
     rng = np.random.default_rng(1)
-    ids = draw_ids(rng, n * T, E, K)
-    w = rng.random((n * T, K)).astype(np.float32)
-    x = (rng.standard_normal((n * T, H)) * 0.5).astype(np.float32)
-    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
-    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    ids, w, x, w_in, w_out = layer_inputs(rng, n * T, H, I, E, K)
     rows = NamedSharding(mesh, P("ep"))
     put = lambda a: ep_comm.distributed.global_array(a, rows)
     xs, idss, ws, wis, wos = (put(x.astype(dtype)), put(ids), put(w),

@@ -31,22 +31,15 @@ import statistics
 
 import numpy as np
 
-from ep_comm.benchmarks.gemm_sweep import draw_ids, wrong_count
+from ep_comm.benchmarks.gemm_sweep import layer_inputs, wrong_count
 from ep_comm.benchmarks.reference import layer_reference
 from ep_comm.benchmarks.timing import layer_shape_arguments, save_json
 
 
 def inputs(tokens, hidden, inter, experts, topk):
-    """The layer bench's draws at one rank (``layer_report``'s order and seed): ``ids``, ``w``,
-    ``x``, ``w_in`` ``(E, H, 2I)``, ``w_out`` ``(E, I, H)``, float32 numpy."""
-    T, H, I, E, K = tokens, hidden, inter, experts, topk
-    rng = np.random.default_rng(1)
-    ids = draw_ids(rng, T, E, K)
-    w = rng.random((T, K)).astype(np.float32)
-    x = (rng.standard_normal((T, H)) * 0.5).astype(np.float32)
-    w_in = (rng.standard_normal((E, H, 2 * I)) / np.sqrt(H)).astype(np.float32)
-    w_out = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
-    return ids, w, x, w_in, w_out
+    """The layer bench's draws at one rank (its seed and order: :func:`layer_inputs`):
+    ``ids``, ``w``, ``x``, ``w_in`` ``(E, H, 2I)``, ``w_out`` ``(E, I, H)``, float32 numpy."""
+    return layer_inputs(np.random.default_rng(1), tokens, hidden, inter, experts, topk)
 
 
 def grouped_mm(torch, a, b_t, offs):
