@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import ep_comm
 from ep_comm import dispatch_combine, overflow
+from ep_comm.benchmarks.gemm_sweep import draw_ids
 from ep_comm.benchmarks.timing import (interleaved_us, layer_shape_arguments, profile_split,
                                        save_json)
 from ep_comm.topology._jax_compat import match_vma
@@ -70,7 +71,7 @@ def main(argv=None):
     T, K, E, H, I = args.tokens, args.topk, args.experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)
     dt = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+    ids = draw_ids(rng, T, E, K)
     w = rng.dirichlet(np.ones(K), T).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((T, H)), dt)
     w_in = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), dt)

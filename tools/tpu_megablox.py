@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ep_comm
+from ep_comm.benchmarks.gemm_sweep import draw_ids
 from ep_comm.benchmarks.timing import layer_shape_arguments, median_us, profile_split, save_json
 from ep_comm import gemm
 from ep_comm.benchmarks.plain import plain_layer
@@ -56,7 +57,7 @@ def timeit(fn, *args, iters):
 
 
 def routed(rng, T, K, E):
-    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+    ids = draw_ids(rng, T, E, K)
     w = rng.dirichlet(np.ones(K), T).astype(np.float32)
     return ids, w, np.bincount(ids.reshape(-1), minlength=E).astype(np.int32)
 
