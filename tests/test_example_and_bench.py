@@ -26,8 +26,9 @@ def _trainer(n, mesh=None):
 
 
 def test_example_matches_dense_at_step_0_and_learns(n):
-    losses = _trainer(n).train(80, log=None)
-    assert losses[-1] < 0.5 * losses[0], losses[::10]
+    # (fixed seed: the loss halves by about step 10 and is below a fifth of step 0's by step 20)
+    losses = _trainer(n).train(25, log=None)
+    assert losses[-1] < 0.5 * losses[0], losses[::5]
 
 
 def test_example_trains_data_x_expert_parallel(n):
@@ -38,7 +39,7 @@ def test_example_trains_data_x_expert_parallel(n):
     trainer = _trainer(n, mesh=f"data=2,ep={n // 2}")
     assert dict(trainer.mesh.shape) == {"data": 2, "ep": n // 2}
     assert trainer.ep.num_ranks == n // 2 and trainer.ep.tokens_per_rank == 2 * 8
-    losses = trainer.train(30, log=None)
+    losses = trainer.train(15, log=None)
     assert losses[-1] < 0.8 * losses[0], losses[::5]
 
 
