@@ -155,6 +155,11 @@ def test_layer_bench_reports_every_pass_and_the_layer(n, tmp_path, capsys):
     fwd = rows[("moe_layer grouped_matmul=auto", "forward")]
     assert fwd["wrong"] == 0 and fwd["time_us"] > 0 and fwd["x_dense"] > 0
     assert rows[("moe_layer grouped_matmul=auto", "fwd+bwd")]["time_us"] > 0
+    if n == 1:  # the plain JAX layer on the same GEMM (one rank holds every expert)
+        for p in ("forward", "fwd+bwd"):
+            plain, mine = rows[("plain JAX layer", p)], rows[("moe_layer grouped_matmul=auto", p)]
+            assert mine["x_plain"] == mine["time_us"] / plain["time_us"]
+            assert f"{mine['x_plain']:.2f}x the plain JAX layer" in layer_bench.table(layer)
     assert "moe_layer" in layer_bench.table(layer) and "x dense" in layer_bench.table(gemm)
     assert layer["config"]["invalid_ids"] == "ignore"  # (the drawn ids are in range)
 

@@ -170,10 +170,10 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         temp = temp_bytes(fwd, (xs, idss, ws, wis, wos))
         print(f"  {label} forward: {t_f:.1f} us, {t_f / t_dense_f:.2f}x dense "
               f"({t_dense_f:.1f} us), #wrong {wrong}, temp {gib(temp)}", flush=True)
-        results.append(dict(impl=label, gemm=gemm_of(impl), pass_="forward",
-                            time_us=t_f,
-                            tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
-                            temp_bytes=temp))
+        results.append(_x_plain(results, dict(
+            impl=label, gemm=gemm_of(impl), pass_="forward", time_us=t_f,
+            tflops=fwd_flops / t_f / 1e6, x_dense=t_f / t_dense_f, wrong=wrong,
+            temp_bytes=temp)))
         if trace_dir:
             results[-1]["trace"] = profile_split(os.path.join(trace_dir, f"{impl}_forward"), fwd,
                                                   (xs, idss, ws, wis, wos), label + " forward")
@@ -182,8 +182,9 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
             continue  # its drhs is a dense masked product over every group: forward shows enough
         t_b = median_us(bwd, (xs, ws, wis, wos, idss), warmup, iters)
         temp = temp_bytes(bwd, (xs, ws, wis, wos, idss))
-        rep = dict(impl=label, gemm=gemm_of(impl), pass_="fwd+bwd", time_us=t_b,
-                   tflops=3 * fwd_flops / t_b / 1e6, x_dense=t_b / t_dense_b, temp_bytes=temp)
+        rep = _x_plain(results, dict(impl=label, gemm=gemm_of(impl), pass_="fwd+bwd",
+                                     time_us=t_b, tflops=3 * fwd_flops / t_b / 1e6,
+                                     x_dense=t_b / t_dense_b, temp_bytes=temp))
         if trace_dir:
             rep["trace"] = profile_split(os.path.join(trace_dir, f"{impl}_fwd_bwd"), bwd,
                                           (xs, ws, wis, wos, idss), label + " fwd+bwd")
@@ -192,6 +193,14 @@ def layer_report(tokens, hidden, inter, experts, topk, dtype, warmup, iters, imp
         results.append(rep)
         yield partial()
     yield report
+
+
+def _x_plain(results, row):
+    """``row`` with ``x_plain``: its time over the plain JAX layer's on the same grouped GEMM
+    (``row["gemm"]``) and pass, where ``results`` holds that row (same run)."""
+    plain = [r["time_us"] for r in results
+             if r.get("plain") == row["gemm"] and r["pass_"] == row["pass_"]]
+    return dict(row, x_plain=row["time_us"] / plain[0]) if plain else row
 
 
 def _plain_layer(mesh, gemm, kind, args, t_dense_f, t_dense_b, flops, ref, check, dtype, H,
@@ -378,11 +387,9 @@ def table(rep) -> str:
                      f"{r['x_dense']:>9.2f}{wrong}{temp}")
         if "trace" in r:
             lines.append(f"#   trace: {json.dumps(r['trace'])}")
-    plain = {(r["plain"], r["pass_"]): r["time_us"] for r in rep["results"] if "plain" in r}
     for r in rep["results"]:
-        p = plain.get((r.get("gemm"), r["pass_"]))
-        if p:
-            lines.append(f"# {r['impl']} {r['pass_']}: {r['time_us'] / p:.2f}x the plain JAX layer "
+        if "x_plain" in r:
+            lines.append(f"# {r['impl']} {r['pass_']}: {r['x_plain']:.2f}x the plain JAX layer "
                          f"with the same grouped GEMM ({r['gemm']})")
     return "\n".join(lines)
 
