@@ -134,7 +134,9 @@ if step gemm; then
   }
   # GEMM_SHAPES: the shapes by name (default: the DeepSeek-V3 EP8 rank only); each
   # shape's GEMM passes on the layer's own routed groups first, the layer then on the fastest
-  # CUTLASS config per pass and weight shape (its JSON's best_cutlass_by_shape: SHAPE_CONFIGS)
+  # CUTLASS config per pass and weight shape (its JSON's best_cutlass_by_shape: SHAPE_CONFIGS),
+  # the first implementation's rows and the plain layer's with their kernel time split from a
+  # trace (GEMMs against the rest, the longest other kernels by name)
   for shape in ${GEMM_SHAPES:-deepseek}; do
     case "$shape" in
       deepseek) args="--tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8" ;;
@@ -144,7 +146,7 @@ if step gemm; then
     esac
     timeout "${GEMM_BENCH_TIMEOUT:-420}" "$PY" -m ep_comm.benchmarks.layer $args \
       --implementation "${GEMM_IMPLS:-cutlass,cutlass-fused,cutlass-keep-u,tokamax}" \
-      ${GEMM_ARGS:---no-xla --groups routed --tune --no-tile-sweep} \
+      --profile "/tmp/gemm_profile_$shape" ${GEMM_ARGS:---no-xla --groups routed --tune --no-tile-sweep} \
       --json "$OUT/layer_cutlass_$shape.json" 2>&1 | tee "$OUT/layer_cutlass_$shape.txt"
     # the PyTorch peer on the same inputs (the image's torch: argsort, torch._grouped_mm, SwiGLU,
     # unpermute), its ratios against this shape's rows just measured; TORCH_PEER=0 skips it
