@@ -126,7 +126,7 @@ case "$what" in
     # run: past it the phase still passes, with a warning. test's add up to 780 s: 15 minutes
     # with the set-up.
     if [ "$EP_COMM_TEST_FULL" = 1 ]; then budgets=(300 3600 1800 1800 1800)
-    else budgets=(30 420 60 90 180); fi
+    else budgets=(30 450 45 80 175); fi
     summary=()
     phase() {  # phase NAME BUDGET COMMAND...: run, time, warn past the budget, stop on failure
       local name=$1 budget=$2 t0=$SECONDS rc=0; shift 2
