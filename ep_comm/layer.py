@@ -18,6 +18,7 @@ from ep_comm.dispatch_combine import check_float, combine, dispatch
 from ep_comm.pipeline import (chunk_config, chunk_operands, chunk_routing, join_chunks,
                               resolve_chunks, run_pipeline)
 from ep_comm.rounds import first_round, merge_repeats
+from ep_comm.swiglu_gmm import SWIGLU_KERNEL, swiglu_grouped_matmul
 from ep_comm.topology._jax_compat import match_vma
 
 
@@ -61,7 +62,10 @@ def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto", *,
     """SwiGLU experts over grouped rows: ``swiglu(x @ w_in[g]) @ w_out[g]`` per group ``g``.
 
     ``w_in`` is ``(G, H, 2I)`` with the gate projection in its first ``I`` columns and the up
-    projection in the last ``I`` (one GEMM for both), ``w_out`` is ``(G, I, H)``. Rows past the
+    projection in the last ``I`` (one GEMM for both), ``w_out`` is ``(G, I, H)``.
+    ``implementation``: :func:`ep_comm.grouped_matmul`'s, or ``"megablox-swiglu"``: the up
+    projection as one Pallas TPU kernel with SwiGLU in its epilogue (:mod:`ep_comm.swiglu_gmm`),
+    the rest on megablox. Rows past the
     groups: zero, or unspecified with ``zero_past_groups=False`` (one pass over the output less:
     :func:`ep_comm.grouped_matmul`), as :func:`moe_layer` runs them (combine reads only the
     groups' rows)."""
@@ -70,6 +74,10 @@ def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto", *,
     # and XLA:GPU write zeros anyway; XLA:TPU's never lets them reach the groups:
     # tools/ragged_dot_probe.py) and the CUTLASS kernels read only the groups' rows, so the
     # zeroing pass is left out for them
+    if implementation == SWIGLU_KERNEL:  # the up projection with SwiGLU in its epilogue (TPU)
+        h = swiglu_grouped_matmul(expert_x, w_in, group_sizes, "megablox")
+        return grouped_matmul(h, w_out, group_sizes, implementation="megablox",
+                              zero_past_groups=zero_past_groups)
     h_like = jax.ShapeDtypeStruct((expert_x.shape[0], w_out.shape[1]), expert_x.dtype)
     drhs = pass_implementations(implementation, h_like, w_out, api="swiglu_experts")[2]
     u = grouped_matmul(expert_x, w_in, group_sizes, implementation=implementation,
@@ -124,6 +132,9 @@ def moe_layer(x, topk_ids, topk_weights, config: EPConfig, *, w_in=None, w_out=N
         the down projection the router weights, so ``expert_x`` and ``u`` are never written),
         for one chunk in one round without an FP8 wire on Hopper; less memory, but on an H200
         its kernels ran slower than ``"cutlass"`` per pass, which is what ``"auto"`` runs there.
+        On TPU, ``"megablox-swiglu"``: the up projection's forward as one Pallas kernel with
+        SwiGLU in its epilogue (``u`` never written), megablox for the other passes
+        (:mod:`ep_comm.swiglu_gmm`).
       return_handle: also return dispatch's handle (a :class:`MoEOutput`).
 
     Returns:

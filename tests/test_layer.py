@@ -165,6 +165,93 @@ def test_megablox_traces_16_bit_kernels_at_the_default_precision():
     assert precisions(jnp.float32) == {"HIGHEST"}
 
 
+def _dense_swiglu_up(x, w_in, sizes):
+    """float64 numpy: ``silu(x @ w_gate) * (x @ w_up)`` per group, and the rows in groups."""
+    x, w_in = np.asarray(x, np.float64), np.asarray(w_in, np.float64)
+    inter = w_in.shape[2] // 2
+    out = np.zeros((x.shape[0], inter))
+    for g, (lo, hi) in enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes))):
+        u = x[lo:hi] @ w_in[g]
+        out[lo:hi] = u[:, :inter] / (1 + np.exp(-u[:, :inter])) * u[:, inter:]
+    return out, int(np.sum(sizes))
+
+
+def test_swiglu_kernel_walks_each_groups_row_tiles_once():
+    """A visit per (group, row tile) the group touches, in order; empty groups none; the grid's
+    spare visits repeat the last real one."""
+    from ep_comm.swiglu_gmm import visits
+
+    offsets, groups, tiles, count = visits(jnp.array([5, 0, 17, 1, 9]), 40, 8)
+    assert offsets.tolist() == [0, 5, 5, 22, 23, 32]
+    assert int(count[0]) == 7 and len(groups) == 40 // 8 + 5 - 1
+    assert list(zip(groups.tolist(), tiles.tolist())) == [
+        (0, 0), (2, 0), (2, 1), (2, 2), (3, 2), (4, 2), (4, 3), (4, 3), (4, 3)]
+    # sizes past the rows are clipped, negative ones are empty, no rows: no visit
+    offsets, groups, tiles, count = visits(jnp.array([-3, 30, 20]), 32, 16)
+    assert offsets.tolist() == [0, 0, 30, 32] and int(count[0]) == 3
+    assert list(zip(groups.tolist(), tiles.tolist()))[:3] == [(1, 0), (1, 1), (2, 1)]
+    assert int(visits(jnp.zeros(3, jnp.int32), 16, 8)[3][0]) == 0
+
+
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swiglu_kernel_equals_the_unfused_up_projection_with_gradients(rng, grouping, dtype):
+    """The Pallas kernel with SwiGLU in its epilogue (interpret mode off TPU) at 24 rows in
+    row tiles of 8: groups empty, of one row, across tiles, none; against float64 and the
+    unfused megablox path (values, and the gradients it takes under grad). The rows past the
+    groups in a tile the kernel visits are zero."""
+    from ep_comm.swiglu_gmm import swiglu_gmm, swiglu_grouped_matmul
+
+    sizes = GROUPINGS[grouping]
+    x, w_in, gs, _ = _ragged_case(rng, sizes, dtype, N=32)  # (the gate and the up half: 16 each)
+    cot = jnp.asarray(rng.standard_normal((24, 16)), dtype)
+    want, total = _dense_swiglu_up(x, w_in, sizes)
+    rtol = 1e-5 if dtype == "float32" else 2 ** -7
+    tol = dict(rtol=rtol, atol=rtol * (1 + np.abs(want).max()))
+    h = swiglu_gmm(x, w_in, gs, tiling=(8, 16, 8))
+    assert h.dtype == x.dtype and h.shape == (24, 16)
+    np.testing.assert_allclose(np.asarray(h, np.float64)[:total], want[:total], **tol)
+    np.testing.assert_array_equal(np.asarray(h, np.float64)[total:-(-total // 8) * 8], 0.0)
+    unfused = lambda a, b: ep_comm.swiglu_experts(  # noqa: E731 (its up half: w_out = identity)
+        a, gs, b, jnp.broadcast_to(jnp.eye(16, dtype=a.dtype), (5, 16, 16)), "megablox")
+    for name, fn in (("fused", lambda a, b: swiglu_grouped_matmul(a, b, gs)),
+                     ("unfused", unfused)):
+        y, vjp = jax.vjp(fn, x, w_in)
+        np.testing.assert_allclose(np.asarray(y, np.float64)[:total], want[:total],
+                                   err_msg=name, **tol)
+        if name == "fused":
+            got = vjp(cot)
+        else:
+            ref = vjp(cot)
+    for a, b, name in zip(got, ref, ("dx", "dw_in")):
+        rows = slice(None) if name == "dw_in" else slice(0, total)
+        np.testing.assert_allclose(np.asarray(a, np.float64)[rows], np.asarray(b, np.float64)[rows],
+                                   rtol=rtol, atol=rtol * (1 + np.abs(np.asarray(b, np.float64)).max()),
+                                   err_msg=name)
+
+
+def test_swiglu_kernel_names_what_it_was_given():
+    from ep_comm.swiglu_gmm import swiglu_gmm, swiglu_tiling
+
+    x, w = jnp.zeros((16, 32), jnp.bfloat16), jnp.zeros((2, 32, 12), jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape(
+            "swiglu_gmm: w_in must be a bfloat16 array of shape (groups, hidden = 32, 2 * "
+            "intermediate), got float32 (2, 32, 12)")):
+        swiglu_gmm(x, w.astype(jnp.float32), jnp.array([8, 8]))
+    with pytest.raises(ValueError, match=re.escape(
+            "swiglu_gmm: group_sizes must be an integer array of shape (groups,) = (2,), got "
+            "float32 (2,)")):
+        swiglu_gmm(x, w, jnp.array([8.0, 8.0]))
+    with pytest.raises(ValueError, match=re.escape(
+            "swiglu_gmm: tiling (tm, tk, tn) = (16, 32, 4) must have tk dividing hidden (32), tn "
+            "dividing intermediate (6) and tm a multiple of 8")):
+        swiglu_gmm(x, w, jnp.array([8, 8]), tiling=(16, 32, 4))
+    # the default tiling, clipped: tk and tn divide H and I (multiples of 128), tm the rows
+    assert swiglu_tiling(32768, 7168, 2048) == (512, 1024, 512)
+    assert swiglu_tiling(32768, 2048, 768) == (512, 1024, 384)
+    assert swiglu_tiling(20, 7168, 1024) == (24, 1024, 512)
+
+
 def test_megablox_tiling_is_clipped_and_divides_the_rows():
     from ep_comm.gemm import megablox_tiling
     assert megablox_tiling("forward", 32768, 4096, 4096) == (512, 1024, 1024)  # MaxText's
@@ -729,6 +816,27 @@ def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared
                                    err_msg=name)
     if not shared:
         np.testing.assert_array_equal(got[5], 0.0)
+
+
+def test_layer_with_the_swiglu_kernel_equals_dense_float64(sharded, n, rng):
+    """``implementation="megablox-swiglu"``: the up projection's forward in the Pallas kernel
+    with SwiGLU in its epilogue (interpret mode off TPU), megablox for the down projection; the
+    dense layer's values inside shard_map. (Its gradients are the unfused megablox path's VJP:
+    test_swiglu_kernel_equals_the_unfused_up_projection_with_gradients.)"""
+    from jax.sharding import PartitionSpec as P
+
+    x, ids, w, w_in, w_out = layer_inputs(rng, n, "masked")[:5]
+    cfg = layer_config(n)
+    f = jax.jit(jax.shard_map(
+        lambda x, ids, w, w_in, w_out: ep_comm.moe_layer(
+            x, ids, w, cfg, w_in=w_in, w_out=w_out, implementation="megablox-swiglu"),
+        mesh=sharded.mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep")))
+    got = sharded.get(f(*sharded.put(x, ids, w, w_in, w_out)))
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+        want = np.asarray(dense_swiglu_moe(f64(x), jnp.asarray(ids), f64(w), f64(w_in),
+                                           f64(w_out), None, None))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * (1 + np.abs(want).max()))
 
 
 @functools.lru_cache(maxsize=None)
