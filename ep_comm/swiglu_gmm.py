@@ -48,15 +48,12 @@ def _divisor(n: int, want: int, quantum: int) -> int:
 
 
 def swiglu_tiling(rows: int, hidden: int, inter: int, tiling=None) -> tuple[int, int, int]:
-    """The kernel's ``(tm, tk, tn)`` for ``rows`` of ``hidden`` into SwiGLU width ``inter``:
-    ``tiling`` as given, or :data:`TILING` with ``tk`` dividing ``hidden`` and ``tn`` dividing
-    ``inter`` (multiples of 128, or the whole dimension); ``tm`` no larger than the rows rounded
-    up to 8."""
+    """The kernel's ``(tm, tk, tn)`` for ``rows`` of ``hidden`` into SwiGLU width ``inter``,
+    from ``tiling`` (default :data:`TILING`): ``tk`` and ``tn`` the largest multiples of 128 up
+    to them that divide ``hidden`` and ``inter`` (or the whole dimension), ``tm`` no larger
+    than the rows rounded up to 8."""
     tm, tk, tn = tiling or TILING
-    tm = min(tm, -(-rows // 8) * 8)
-    if tiling is not None:
-        return tm, tk, tn
-    return tm, _divisor(hidden, tk, 128), _divisor(inter, tn, 128)
+    return min(tm, -(-rows // 8) * 8), _divisor(hidden, tk, 128), _divisor(inter, tn, 128)
 
 
 def visits(group_sizes, rows: int, tm: int):
@@ -153,7 +150,8 @@ def swiglu_gmm(x, w_in, group_sizes, *, tiling=None):
       x: ``(M, H)`` bfloat16, float16 or float32, rows grouped contiguously from row 0.
       w_in: ``(G, H, 2I)`` in ``x``'s dtype: the gate projection in the first ``I`` columns.
       group_sizes: ``(G,)`` integer.
-      tiling: ``(tm, tk, tn)`` (default :func:`swiglu_tiling`'s).
+      tiling: ``(tm, tk, tn)`` as given (``tm`` clipped to the rows), default
+        :func:`swiglu_tiling`'s.
     """
     api = "swiglu_gmm"
     x, w_in, group_sizes = jnp.asarray(x), jnp.asarray(w_in), jnp.asarray(group_sizes)
@@ -170,7 +168,10 @@ def swiglu_gmm(x, w_in, group_sizes, *, tiling=None):
         raise ValueError(f"{api}: group_sizes must be an integer array of shape (groups,) = "
                          f"({w_in.shape[0]},), got {group_sizes.dtype} "
                          f"{tuple(group_sizes.shape)}")
-    tm, tk, tn = swiglu_tiling(x.shape[0], x.shape[1], w_in.shape[2] // 2, tiling)
+    if tiling is None:
+        tm, tk, tn = swiglu_tiling(x.shape[0], x.shape[1], w_in.shape[2] // 2)
+    else:
+        tm, tk, tn = min(tiling[0], -(-x.shape[0] // 8) * 8), *tiling[1:]
     if x.shape[1] % tk or (w_in.shape[2] // 2) % tn or tm % 8:
         raise ValueError(f"{api}: tiling (tm, tk, tn) = {(tm, tk, tn)} must have tk dividing "
                          f"hidden ({x.shape[1]}), tn dividing intermediate "

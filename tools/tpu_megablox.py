@@ -16,6 +16,9 @@ Per shape (T tokens, top-K of E experts on one rank, bf16):
    ``invalid_ids="ignore"`` (the ids come from ``lax.top_k``: none can be out of range, and
    like the plain layer it checks none) and with the default run-time check of the ids. Every
    row: us, TFLOP/s (the layer's 6 T K H I FLOPs forward, 3x that forward+backward) and x dense;
+   and ``moe_layer`` with ``implementation="megablox-swiglu"`` (the up projection's forward as
+   one kernel with SwiGLU in its epilogue, at the fastest tiling of a sweep of that kernel alone
+   against megablox's forward + XLA's SwiGLU, before the layer rows);
 4. with ``--profile DIR``: each layer's forward and forward+backward traced (3 calls), its device
    time split into the GEMMs and the rest, the rest's longest ops by name.
 """
@@ -38,6 +41,7 @@ from ep_comm.benchmarks.timing import layer_shape_arguments, median_us, profile_
 from ep_comm import gemm
 from ep_comm.benchmarks.plain import plain_layer
 from ep_comm.benchmarks.reference import dense_experts
+from ep_comm.swiglu_gmm import SWIGLU_KERNEL
 
 MAXTEXT = (512, 1024, 1024)
 CANDIDATES = [(tm, tk, tn) for tm in (256, 512, 1024) for tk in (512, 1024, 2048)
@@ -147,14 +151,14 @@ def layer_rows(rng, T, K, E, H, I, iters, profile=None):
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))  # noqa: E731
     x, ids, w, w_in, w_out = map(put, (x, ids, w, w_in, w_out))
-    def ours(invalid_ids):
+    def ours(invalid_ids, implementation="megablox"):
         cfg = ep_comm.EPConfig(axis_name="ep", num_ranks=1, num_experts=E, topk=K,
                                tokens_per_rank=T, invalid_ids=invalid_ids)
 
         @jax.shard_map(mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
         def layer(x, ids, w, w_in, w_out):
             return ep_comm.moe_layer(x, ids, w, cfg, w_in=w_in, w_out=w_out,
-                                     implementation="megablox")
+                                     implementation=implementation)
         return layer
 
     impls = {
@@ -167,6 +171,8 @@ def layer_rows(rng, T, K, E, H, I, iters, profile=None):
         # (tools/ids_check_probe.py)
         "moe_layer, megablox tuned": ours("ignore"),
         "moe_layer, megablox tuned, ids checked": ours(None),
+        # the up projection's forward with SwiGLU in the kernel's epilogue (ep_comm.swiglu_gmm)
+        "moe_layer, megablox-swiglu": ours("ignore", SWIGLU_KERNEL),
     }
     flops = 6 * T * K * H * I
     rows = []
@@ -205,6 +211,49 @@ def layer_rows(rng, T, K, E, H, I, iters, profile=None):
     return rows
 
 
+SWIGLU_TILINGS = [(512, 1024, 512), (256, 1024, 512), (512, 512, 512), (256, 2048, 512),
+                  (512, 1024, 256), (1024, 512, 512), (256, 1024, 1024)]
+
+
+def swiglu_sweep(rng, sizes, M, H, I, iters):
+    """The up projection's forward alone: megablox's tuned ``gmm`` then SwiGLU in XLA (what
+    ``"megablox"`` runs) against the SwiGLU kernel at each tiling of :data:`SWIGLU_TILINGS` (the
+    fastest goes into ``swiglu_gmm.TILING`` for the layer rows); the kernel's output checked
+    against the unfused one on the groups' rows."""
+    from ep_comm import swiglu_gmm
+
+    gs = jnp.asarray(sizes)
+    x = jnp.asarray(rng.standard_normal((M, H)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(sizes), H, 2 * I)) / np.sqrt(H), jnp.bfloat16)
+    unfused = jax.jit(lambda x, w: swiglu_gmm._unfused(x, w, gs, "megablox"))
+    want = np.asarray(unfused(x, w), np.float32)
+    rows = int(sizes.sum())
+    out = {"unfused_us": 1e6 * timeit(unfused, x, w, iters=iters), "kernel": {}}
+    print(f"   up forward + SwiGLU, megablox then XLA: {out['unfused_us']:.0f} us", flush=True)
+    for tiling in SWIGLU_TILINGS:
+        t = swiglu_gmm.swiglu_tiling(M, H, I, tiling)
+        if str(t) in out["kernel"]:
+            continue
+        f = jax.jit(functools.partial(swiglu_gmm.swiglu_gmm, group_sizes=gs, tiling=t))
+        try:
+            got = np.asarray(f(x, w), np.float32)
+            err = float(np.abs(got[:rows] - want[:rows]).max() / np.abs(want[:rows]).max())
+            us = 1e6 * timeit(f, x, w, iters=iters)
+        except Exception as e:  # noqa: BLE001 (a tiling Mosaic rejects: VMEM)
+            out["kernel"][str(t)] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            print(f"   SwiGLU kernel {t}: {out['kernel'][str(t)]['error']}", flush=True)
+            continue
+        out["kernel"][str(t)] = dict(us=us, rel_err=err, x_unfused=us / out["unfused_us"])
+        print(f"   SwiGLU kernel {t}: {us:.0f} us ({us / out['unfused_us']:.2f}x the unfused), "
+              f"rel err {err:.1e}", flush=True)
+    ok = {k: v for k, v in out["kernel"].items() if "us" in v}
+    if ok:
+        best = min(ok, key=lambda k: ok[k]["us"])
+        out["best"] = best
+        swiglu_gmm.TILING = tuple(int(v) for v in best.strip("()").split(","))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     layer_shape_arguments(ap)
@@ -239,6 +288,7 @@ def main(argv=None):
                   f"{len(r['tried'])} tried", flush=True)
     report["tilings"] = {f"{p},{k},{n}": list(t) for (p, k, n), t in
                          gemm.MEGABLOX_TILINGS.items()}
+    report["swiglu_kernel"] = swiglu_sweep(rng, sizes, M, H, I, args.iters)
     report["layer"] = layer_rows(rng, T, K, E, H, I, args.iters, args.profile)
     print(f"{'layer':52s} {'fwd us':>9s} {'x dense':>8s} {'x MaxText':>10s} {'fwd+bwd us':>11s} "
           f"{'x dense':>8s} {'x MaxText':>10s} {'rel err':>8s}")
