@@ -177,6 +177,11 @@ def swiglu_gmm(x, w_in, group_sizes, *, tiling=None):
                          f"hidden ({x.shape[1]}), tn dividing intermediate "
                          f"({w_in.shape[2] // 2}) and tm a multiple of 8")
     interpret = jax.default_backend() != "tpu"
+    if not interpret and (tn % 128 or (tk % 128 and tk != x.shape[1])):
+        raise ValueError(f"{api}: on TPU the kernel's blocks are whole (8, 128) tiles: tn must be "
+                         f"a multiple of 128 (so intermediate, {w_in.shape[2] // 2}, too) and tk "
+                         f"one or all of hidden ({x.shape[1]}), got tiling {(tm, tk, tn)}; "
+                         f"implementation='megablox' runs any shape")
     # 16-bit inputs: every precision is the same product; Mosaic fails to compile a bf16 dot at
     # a global jax_default_matmul_precision="highest" ("Bad lhs type")
     precision = (jax.default_matmul_precision("default")

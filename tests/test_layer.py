@@ -193,6 +193,14 @@ def test_swiglu_kernel_walks_each_groups_row_tiles_once():
     assert int(visits(jnp.zeros(3, jnp.int32), 16, 8)[3][0]) == 0
 
 
+# the SwiGLU kernel's tests at toy sizes: Pallas interpret mode; on a TPU its blocks must be whole
+# (8, 128) tiles, and tools/tpu_megablox.py checks it at the layer's shapes on the chip
+INTERPRETED = pytest.mark.skipif(
+    jax.default_backend() == "tpu",
+    reason="toy sizes run in interpret mode; on TPU tools/tpu_megablox.py checks the kernel")
+
+
+@INTERPRETED
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_swiglu_kernel_equals_the_unfused_up_projection_with_gradients(rng, grouping, dtype):
@@ -230,7 +238,8 @@ def test_swiglu_kernel_equals_the_unfused_up_projection_with_gradients(rng, grou
                                    err_msg=name)
 
 
-def test_swiglu_kernel_names_what_it_was_given():
+@INTERPRETED
+def test_swiglu_kernel_names_what_it_was_given(monkeypatch):
     from ep_comm.swiglu_gmm import swiglu_gmm, swiglu_tiling
 
     x, w = jnp.zeros((16, 32), jnp.bfloat16), jnp.zeros((2, 32, 12), jnp.bfloat16)
@@ -246,6 +255,13 @@ def test_swiglu_kernel_names_what_it_was_given():
             "swiglu_gmm: tiling (tm, tk, tn) = (16, 32, 4) must have tk dividing hidden (32), tn "
             "dividing intermediate (6) and tm a multiple of 8")):
         swiglu_gmm(x, w, jnp.array([8, 8]), tiling=(16, 32, 4))
+    with monkeypatch.context() as m:  # on a TPU: whole (8, 128) tiles, or megablox
+        m.setattr(jax, "default_backend", lambda: "tpu")
+        with pytest.raises(ValueError, match=re.escape(
+                "swiglu_gmm: on TPU the kernel's blocks are whole (8, 128) tiles: tn must be a "
+                "multiple of 128 (so intermediate, 6, too) and tk one or all of hidden (32), got "
+                "tiling (16, 32, 6); implementation='megablox' runs any shape")):
+            swiglu_gmm(x, w, jnp.array([8, 8]))
     # the default tiling, clipped: tk and tn divide H and I (multiples of 128), tm the rows
     assert swiglu_tiling(32768, 7168, 2048) == (512, 1024, 512)
     assert swiglu_tiling(32768, 2048, 768) == (512, 1024, 384)
@@ -818,6 +834,7 @@ def test_layer_equals_dense_float64_with_gradients(sharded, n, rng, kind, shared
         np.testing.assert_array_equal(got[5], 0.0)
 
 
+@INTERPRETED
 def test_layer_with_the_swiglu_kernel_equals_dense_float64(sharded, n, rng):
     """``implementation="megablox-swiglu"``: the up projection's forward in the Pallas kernel
     with SwiGLU in its epilogue (interpret mode off TPU), megablox for the down projection; the
