@@ -17,6 +17,10 @@ tile stays in VMEM over a tile's consecutive visits. The number of visits depend
 the grid holds the most there can be (row tiles + groups - 1) and the visits past the real ones
 repeat the last one's blocks and compute nothing. Off TPU it runs in Pallas's interpret mode (for
 the tests).
+
+Measured on a TPU v5e (docs/performance.md, "megablox on TPU"): alone, 0.73x-0.88x the time of
+megablox's up projection then XLA's SwiGLU; in ``moe_layer`` at H=2048 the forward gained nothing
+(1.01x) and forward+backward lost 10%, so ``"auto"`` does not take it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from jax.experimental.pallas import tpu as pltpu
 from ep_comm.topology._jax_compat import match_vma, vma_unchecked
 
 SWIGLU_KERNEL = "megablox-swiglu"
-# (tm, tk, tn): rows, K and columns of a tile of each half; the default where it divides
-TILING = (512, 1024, 512)
+# (tm, tk, tn): rows, K and columns of a tile of each half; the default where it divides: on a
+# TPU v5e the fastest of 7 at T=4096, top-8 of 32, H=7168, I=2048 (0.88x megablox's up projection
+# + XLA's SwiGLU), 0.81x at H=2048, I=1024 (docs/performance.md, "megablox on TPU")
+TILING = (256, 1024, 1024)
 
 
 def _divisor(n: int, want: int, quantum: int) -> int:

@@ -263,9 +263,10 @@ def test_swiglu_kernel_names_what_it_was_given(monkeypatch):
                 "tiling (16, 32, 6); implementation='megablox' runs any shape")):
             swiglu_gmm(x, w, jnp.array([8, 8]))
     # the default tiling, clipped: tk and tn divide H and I (multiples of 128), tm the rows
-    assert swiglu_tiling(32768, 7168, 2048) == (512, 1024, 512)
-    assert swiglu_tiling(32768, 2048, 768) == (512, 1024, 384)
-    assert swiglu_tiling(20, 7168, 1024) == (24, 1024, 512)
+    assert swiglu_tiling(32768, 7168, 2048) == (256, 1024, 1024)
+    assert swiglu_tiling(32768, 2560, 1536) == (256, 640, 768)
+    assert swiglu_tiling(32768, 2048, 768) == (256, 1024, 768)
+    assert swiglu_tiling(20, 7168, 1024, (512, 2048, 512)) == (24, 1792, 512)
 
 
 def test_megablox_tiling_is_clipped_and_divides_the_rows():
