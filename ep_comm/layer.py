@@ -63,12 +63,11 @@ def swiglu_experts(expert_x, group_sizes, w_in, w_out, implementation="auto", *,
 
     ``w_in`` is ``(G, H, 2I)`` with the gate projection in its first ``I`` columns and the up
     projection in the last ``I`` (one GEMM for both), ``w_out`` is ``(G, I, H)``.
-    ``implementation``: :func:`ep_comm.grouped_matmul`'s, or ``"megablox-swiglu"``: the up
+    ``implementation`` is :func:`ep_comm.grouped_matmul`'s, or ``"megablox-swiglu"``: the up
     projection as one Pallas TPU kernel with SwiGLU in its epilogue (:mod:`ep_comm.swiglu_gmm`),
-    the rest on megablox. Rows past the
-    groups: zero, or unspecified with ``zero_past_groups=False`` (one pass over the output less:
-    :func:`ep_comm.grouped_matmul`), as :func:`moe_layer` runs them (combine reads only the
-    groups' rows)."""
+    the rest on megablox. Rows past the groups: zero, or unspecified with
+    ``zero_past_groups=False`` (one pass over the output less: :func:`ep_comm.grouped_matmul`),
+    as :func:`moe_layer` runs them (combine reads only the groups' rows)."""
     # u's rows past the groups matter only to a weight-gradient kernel that reads them: tokamax's
     # masks rows by multiplying with zero, so they must be finite there; lax.ragged_dot (XLA:CPU
     # and XLA:GPU write zeros anyway; XLA:TPU's never lets them reach the groups:
