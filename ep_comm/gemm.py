@@ -312,6 +312,21 @@ def pass_kernel(pass_name: str, impl: str, config: dict | None = None):
     return tokamax
 
 
+@contextlib.contextmanager
+def pallas_trace(dtype):
+    """How ep_comm traces a Pallas TPU kernel (megablox's, :mod:`ep_comm.swiglu_gmm`'s) of
+    inputs of ``dtype``; the caller types its output as its inputs with ``match_vma``.
+
+    16-bit inputs: every precision is the same product, so the kernel is traced at the default
+    one, since Mosaic fails to compile a bf16 dot at a global
+    ``jax_default_matmul_precision="highest"`` ("Bad lhs type", as XLA:TPU's ragged dot does
+    above). Pallas outputs declare no varying axes inside ``shard_map``: traced unchecked."""
+    precision = (jax.default_matmul_precision("default") if _sixteen_bit(dtype)
+                 else contextlib.nullcontext())
+    with vma_unchecked(), precision:
+        yield
+
+
 def _megablox(pass_name, tiling, a, b, group_sizes, out_dtype, zero_tail=True):
     """One pass on megablox: ``gmm`` for the forward and ``dlhs`` (``w`` read transposed in
     place), ``tgmm`` for ``drhs`` (``x`` transposed: an XLA copy). Off TPU in Pallas's interpret
@@ -327,13 +342,7 @@ def _megablox(pass_name, tiling, a, b, group_sizes, out_dtype, zero_tail=True):
     rows = -(-m // tm) * tm  # padded to whole row tiles (past the groups: never read)
     pad = lambda v: v if rows == m else jnp.pad(v, ((0, rows - m), (0, 0)))  # noqa: E731
     interpret = jax.default_backend() != "tpu"
-    # 16-bit inputs: every precision is the same product; the kernel traced at the default one,
-    # since Mosaic fails to compile a bf16 dot at a global jax_default_matmul_precision="highest"
-    # ("Bad lhs type", as XLA:TPU's ragged dot does above)
-    precision = (jax.default_matmul_precision("default") if _sixteen_bit(a.dtype)
-                 else contextlib.nullcontext())
-    # Pallas outputs declare no varying axes inside shard_map: traced unchecked, then typed
-    with vma_unchecked(), precision:
+    with pallas_trace(a.dtype):
         if pass_name == "drhs":
             out = megablox.tgmm(pad(a).T, pad(b), group_sizes, out_dtype, tiling=(tm, tk, tn),
                                 interpret=interpret)

@@ -18,7 +18,7 @@ from ep_comm.dispatch_combine import check_float, combine, dispatch
 from ep_comm.pipeline import (chunk_config, chunk_operands, chunk_routing, join_chunks,
                               resolve_chunks, run_pipeline)
 from ep_comm.rounds import first_round, merge_repeats
-from ep_comm.swiglu_gmm import SWIGLU_KERNEL, swiglu_grouped_matmul
+from ep_comm.swiglu_gmm import SWIGLU_KERNEL, swiglu, swiglu_grouped_matmul
 from ep_comm.topology._jax_compat import match_vma
 
 
@@ -41,12 +41,6 @@ class MoEOutput:
     y: jax.Array
     handle: EPHandle | None
     rounds: jax.Array
-
-
-def swiglu(u, intermediate: int):
-    """``silu(u[:, :I]) * u[:, I:]`` in float32, in ``u``'s dtype: the gate half first."""
-    g = u[:, :intermediate].astype(jnp.float32)
-    return (jax.nn.silu(g) * u[:, intermediate:].astype(jnp.float32)).astype(u.dtype)
 
 
 def shared_swiglu(x, shared_w_in, shared_w_out):

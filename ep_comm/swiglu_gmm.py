@@ -25,15 +25,16 @@ megablox's up projection then XLA's SwiGLU; in ``moe_layer`` at H=2048 the forwa
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ep_comm.topology._jax_compat import match_vma, vma_unchecked
+from ep_comm.gemm import grouped_matmul, pallas_trace
+from ep_comm.topology._jax_compat import match_vma
 
 SWIGLU_KERNEL = "megablox-swiglu"
 # (tm, tk, tn): rows, K and columns of a tile of each half; the default where it divides: on a
@@ -188,22 +189,23 @@ def swiglu_gmm(x, w_in, group_sizes, *, tiling=None):
                          f"a multiple of 128 (so intermediate, {w_in.shape[2] // 2}, too) and tk "
                          f"one or all of hidden ({x.shape[1]}), got tiling {(tm, tk, tn)}; "
                          f"implementation='megablox' runs any shape")
-    # 16-bit inputs: every precision is the same product; Mosaic fails to compile a bf16 dot at
-    # a global jax_default_matmul_precision="highest" ("Bad lhs type")
-    precision = (jax.default_matmul_precision("default")
-                 if x.dtype in (jnp.bfloat16, jnp.float16) else contextlib.nullcontext())
-    with vma_unchecked(), precision:  # Pallas outputs declare no varying axes in shard_map
+    with pallas_trace(x.dtype):
         h = _swiglu_gmm(x, w_in, group_sizes.astype(jnp.int32), (tm, tk, tn), interpret)
     return match_vma(match_vma(h, x), w_in)
 
 
-def _unfused(x, w_in, group_sizes, implementation):
-    from ep_comm.gemm import grouped_matmul
+def swiglu(u, intermediate: int):
+    """``silu(u[:, :I]) * u[:, I:]`` in float32, in ``u``'s dtype: the gate half first."""
+    g = u[:, :intermediate].astype(jnp.float32)
+    return (jax.nn.silu(g) * u[:, intermediate:].astype(jnp.float32)).astype(u.dtype)
 
-    inter = w_in.shape[2] // 2
+
+def _unfused(x, w_in, group_sizes, implementation):
+    """What the kernel computes, as :func:`ep_comm.swiglu_experts`' unfused up projection does:
+    :func:`ep_comm.grouped_matmul`, then :func:`swiglu`."""
     u = grouped_matmul(x, w_in, group_sizes, implementation=implementation,
-                       zero_past_groups=False).astype(jnp.float32)
-    return (jax.nn.silu(u[:, :inter]) * u[:, inter:]).astype(x.dtype)
+                       zero_past_groups=False)
+    return swiglu(u, w_in.shape[2] // 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -220,8 +222,6 @@ def _vjp_fwd(x, w_in, group_sizes, implementation):
 
 
 def _vjp_bwd(implementation, res, dh):
-    import numpy as np
-
     vjp, group_sizes = res
     dx, dw = vjp(dh)
     return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
