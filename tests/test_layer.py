@@ -166,14 +166,11 @@ def test_megablox_traces_16_bit_kernels_at_the_default_precision():
 
 
 def _dense_swiglu_up(x, w_in, sizes):
-    """float64 numpy: ``silu(x @ w_gate) * (x @ w_up)`` per group, and the rows in groups."""
-    x, w_in = np.asarray(x, np.float64), np.asarray(w_in, np.float64)
+    """float64 numpy: ``silu(x @ w_gate) * (x @ w_up)`` per group (zero past the groups), and
+    the rows in groups."""
     inter = w_in.shape[2] // 2
-    out = np.zeros((x.shape[0], inter))
-    for g, (lo, hi) in enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes))):
-        u = x[lo:hi] @ w_in[g]
-        out[lo:hi] = u[:, :inter] / (1 + np.exp(-u[:, :inter])) * u[:, inter:]
-    return out, int(np.sum(sizes))
+    u = _dense_grouped(x, w_in, sizes, np.zeros((x.shape[0], 2 * inter)))[0]
+    return u[:, :inter] / (1 + np.exp(-u[:, :inter])) * u[:, inter:], int(np.sum(sizes))
 
 
 def test_swiglu_kernel_walks_each_groups_row_tiles_once():
